@@ -1,0 +1,48 @@
+"""The hooks a Joinable gives the Join context manager."""
+
+from __future__ import annotations
+
+__all__ = ["JoinHook"]
+
+
+class JoinHook:
+    """Entry points that let a joined rank keep step with the ranks still training.
+
+    Subclass it and override what the joinable needs; every method is a no-op
+    here.
+
+    - :meth:`main_hook` runs once per iteration of the ranks that have not
+      joined, on every rank that has: it issues the same collectives, in the
+      same order, as one iteration of the joinable does.
+    - :meth:`post_hook` runs once, after every rank has joined.
+    - :meth:`abort_hook` runs on a rank that leaves the context with an
+      exception, before it tells the others: it issues the collectives the
+      joinable still owes for an iteration it began and did not finish.
+
+    A hook whose joinable carries Join's heartbeat in its own first
+    per-iteration all-reduce sets :attr:`carries_heartbeat` (see
+    :class:`join_core.Joinable` for that contract).
+    """
+
+    #: True if this hook's joinable carries the heartbeat in its own first
+    #: all-reduce of each iteration instead of Join issuing one of its own.
+    carries_heartbeat: bool = False
+
+    def main_hook(self) -> None:
+        """Shadow one iteration of the joinable's collectives on a joined rank."""
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Run once after all ranks have joined.
+
+        Args:
+            is_last_joiner: True on the ranks that joined in the last iteration.
+        """
+
+    def abort_hook(self) -> None:
+        """Finish the collectives of an interrupted iteration on a failing rank.
+
+        Called once, in joinable order, on a rank whose body raised inside the
+        context, so that the ranks still training are not left waiting on a
+        collective this rank never issued. A joinable that was between
+        iterations has nothing to issue.
+        """

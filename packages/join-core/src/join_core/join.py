@@ -1,0 +1,328 @@
+"""The Join context manager: training with uneven inputs across ranks."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import warnings
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from typing_extensions import Self
+
+from join_core.joinable import Joinable
+
+__all__ = ["Join", "JoinAbortedError"]
+
+logger = logging.getLogger(__name__)
+
+#: Shadowed iterations after which Join warns once that the skew is large.
+SKEW_WARN_THRESHOLD: Final = 1000
+#: How long the ranks wait for one another while agreeing on an abort.
+ABORT_TIMEOUT: Final = timedelta(seconds=30)
+#: Bytes of each rank's failure message exchanged on abort.
+_REASON_BYTES: Final = 1024
+
+_ACTIVE_SIGNAL: Final = 1.0
+_JOINED_SIGNAL: Final = 0.0
+
+
+class JoinAbortedError(RuntimeError):
+    """Raised on every rank of a Join when another rank failed inside it.
+
+    Attributes:
+        failures: the failing ranks, each with its exception's type and message.
+    """
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = failures
+        detail = "; ".join(f"rank {rank} raised {reason}" for rank, reason in sorted(failures.items()))
+        super().__init__(f"Join aborted: {detail}")
+
+
+class _State(enum.Enum):
+    TRAINING = enum.auto()
+    JOINED = enum.auto()
+    ABORTING = enum.auto()
+
+
+_registry_lock = threading.Lock()
+# id(joinable) -> (joinable, its Join, is it the first joinable); entries live
+# while the Join is entered, so no state is stored on the joinables.
+_registry: dict[int, tuple[Joinable, Join, bool]] = {}
+
+
+def _lookup(joinable: Joinable) -> tuple[Join, bool] | None:
+    entry = _registry.get(id(joinable))
+    if entry is None or entry[0] is not joinable:
+        return None
+    return entry[1], entry[2]
+
+
+class Join:
+    """Context manager that lets ranks with fewer inputs join early.
+
+    Inside the context every rank runs its training loop over its own inputs.
+    A rank that runs out leaves the ``with`` body and, on exit, shadows the
+    collectives of the ranks still training (through each joinable's
+    :class:`JoinHook`) until all have joined; then every hook's ``post_hook``
+    runs. If a rank raises inside the body, every rank leaves the context with
+    an exception: the failing rank with its own, the others with
+    :class:`JoinAbortedError` naming it.
+
+    Args:
+        joinables: the participants, in the order their hooks run; they share
+            one process group, and the first one's device is used.
+        enable: False turns all join logic off (for inputs known to be even).
+        throw_on_early_termination: raise on every rank as soon as one rank
+            runs out of inputs, instead of shadowing.
+        kwargs: passed to every joinable's ``join_hook``.
+
+    Example::
+
+        with Join([model, optimizer]):
+            for batch in my_batches:  # may be fewer on some ranks
+                model(batch).sum().backward()
+                optimizer.step()
+    """
+
+    def __init__(
+        self,
+        joinables: list[Joinable],
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if len(joinables) == 0:
+            raise ValueError("Join(joinables=[]): the join context manager requires at least one joinable")
+        for index, joinable in enumerate(joinables):
+            if not isinstance(joinable, Joinable):
+                raise TypeError(
+                    f"Join(joinables[{index}]={type(joinable).__name__}): not a Joinable; "
+                    "implement join_hook(), join_device and join_process_group"
+                )
+        self._joinables = list(joinables)
+        self._hooks = [joinable.join_hook(**kwargs) for joinable in self._joinables]
+        self._enable = enable
+        self._throw_on_early_termination = throw_on_early_termination
+        group = self._joinables[0].join_process_group
+        for joinable in self._joinables[1:]:
+            if joinable.join_process_group != group:
+                raise ValueError("Using join context manager with multiple process groups")
+        self._group = group
+        self._device = self._joinables[0].join_device
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+        self._fused = self._hooks[0].carries_heartbeat
+        self._state = _State.TRAINING
+        self._last_total: float | None = None  # the latest heartbeat seen by this rank
+        self._reported = 0  # heartbeats seen so far
+        self._done = False  # an early termination or abort was already agreed on
+        self._entered = False
+
+    def __enter__(self) -> Self:
+        if self._entered:
+            raise RuntimeError("Join: this context was already entered; create a new Join")
+        self._entered = True
+        if not self._enable:
+            return self
+        with _registry_lock:
+            for joinable in self._joinables:
+                entry = _lookup(joinable)
+                if entry is not None:
+                    raise RuntimeError(
+                        f"Join: {type(joinable).__name__} is already inside another Join; "
+                        "leave that context before entering this one"
+                    )
+            for index, joinable in enumerate(self._joinables):
+                _registry[id(joinable)] = (joinable, self, index == 0)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if not self._enable:
+            return
+        try:
+            if exc is None:
+                self._state = _State.JOINED
+                self._shadow_until_all_joined()
+            elif not self._done and isinstance(exc, Exception) and not isinstance(exc, dist.DistError):
+                self._abort(exc)
+        finally:
+            with _registry_lock:
+                for joinable in self._joinables:
+                    if _lookup(joinable) is not None:
+                        del _registry[id(joinable)]
+
+    # The rank's own side: joined or failing.
+
+    def _shadow_until_all_joined(self) -> None:
+        is_last_joiner = True
+        iterations = 0
+        while True:
+            if iterations == SKEW_WARN_THRESHOLD + 1:
+                warnings.warn(
+                    f"Detected uneven input skew of greater than {SKEW_WARN_THRESHOLD}. This means that "
+                    f"rank {self._rank} has at least {SKEW_WARN_THRESHOLD} fewer inputs than other "
+                    "currently-active ranks. This level of skew could lead to performance degradation "
+                    "during training.",
+                    stacklevel=3,
+                )
+            total = self._beat()
+            if total < 0:
+                self._agree_on_abort(None)
+            if total == 0:
+                break
+            if self._throw_on_early_termination:
+                self._done = True
+                raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
+            for hook in self._hooks[1:] if self._fused else self._hooks:
+                hook.main_hook()
+            is_last_joiner = False
+            iterations += 1
+        for hook in self._hooks:
+            hook.post_hook(is_last_joiner)
+
+    def _beat(self, timeout: timedelta | None = None) -> float:
+        """One heartbeat from a rank not training: the number of ranks training,
+        or a negative number if a rank failed."""
+        if not self._fused:
+            return self._all_reduce_signal(self._signal(), timeout)
+        reported_before = self._reported
+        self._hooks[0].main_hook()
+        if self._reported == reported_before or self._last_total is None:
+            raise RuntimeError(
+                f"Join: the hook of {type(self._joinables[0]).__name__} carries the heartbeat but did "
+                "not pass it to Join.heartbeat_result()"
+            )
+        return self._last_total
+
+    def _abort(self, exc: Exception) -> None:
+        self._state = _State.ABORTING
+        try:
+            for hook in self._hooks:
+                hook.abort_hook()
+                if self._last_total is not None and self._last_total < 0:
+                    break  # an interrupted iteration already carried the news
+            else:
+                # The failing rank's signal outweighs every training rank's.
+                self._beat(ABORT_TIMEOUT)
+            self._agree_on_abort(f"{type(exc).__name__}: {exc}")
+        except Exception as failure:  # noqa: BLE001 - the original exception matters more
+            logger.error("rank %d could not tell the other ranks that it failed: %s", self._rank, failure)
+
+    def _agree_on_abort(self, reason: str | None) -> None:
+        """Gather every failing rank's reason; raise JoinAbortedError on the
+        others (a failing rank returns and lets its own exception go on)."""
+        self._done = True
+        mine = torch.zeros(_REASON_BYTES, dtype=torch.uint8, device=self._device)
+        if reason is not None:
+            encoded = reason.encode("utf-8", "replace")[:_REASON_BYTES]
+            mine[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        gathered = [torch.empty_like(mine) for _ in range(self._world_size)]
+        work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
+        _wait(work, ABORT_TIMEOUT, "the other ranks to exchange failure reasons")
+        failures = {
+            rank: bytes(buf.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace")
+            for rank, buf in enumerate(gathered)
+            if int(buf[0]) != 0
+        }
+        if reason is None:
+            raise JoinAbortedError(failures)
+
+    # Shared by both sides.
+
+    def _signal(self) -> float:
+        if self._state is _State.TRAINING:
+            return _ACTIVE_SIGNAL
+        if self._state is _State.JOINED:
+            return _JOINED_SIGNAL
+        return -float(self._world_size + 1)  # outweighs every training rank's 1
+
+    def _all_reduce_signal(self, signal: float, timeout: timedelta | None) -> float:
+        beat = torch.full((1,), signal, device=self._device)
+        work = dist.all_reduce(beat, group=self._group, async_op=True)
+        _wait(work, timeout, "the heartbeat all-reduce of the other ranks")
+        return float(beat.item())
+
+    def _on_total(self, total: float) -> bool:
+        self._last_total = total
+        self._reported += 1
+        if self._state is not _State.TRAINING:
+            return total != 0
+        if total < 0:
+            self._agree_on_abort(None)
+        if self._throw_on_early_termination and total < self._world_size:
+            self._done = True
+            raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
+        return True
+
+    @staticmethod
+    def notify_join_context(joinable: Joinable) -> dist.Work | None:
+        """Tell the Join this rank has not joined; call before each iteration's
+        collectives.
+
+        For the first joinable of an enabled Join this sends the heartbeat and
+        returns its (completed) all-reduce work; for every other joinable, for
+        one that carries the heartbeat in its own all-reduce, and outside an
+        enabled Join it issues nothing and returns None.
+
+        Raises:
+            JoinAbortedError: another rank failed inside the Join.
+            RuntimeError: with ``throw_on_early_termination``, a rank joined.
+        """
+        found = _lookup(joinable)
+        if found is None:
+            return None
+        join, is_first = found
+        if not is_first or join._fused or join._state is not _State.TRAINING:
+            return None
+        beat = torch.ones(1, device=join._device)
+        work: dist.Work = dist.all_reduce(beat, group=join._group, async_op=True)
+        _wait(work, None, "the heartbeat all-reduce of the other ranks")
+        join._on_total(float(beat.item()))
+        return work
+
+    @staticmethod
+    def heartbeat_signal(joinable: Joinable) -> float:
+        """The value this rank puts in the heartbeat slot it carries: 1 while
+        training (also outside a Join), 0 once joined, negative when failing."""
+        found = _lookup(joinable)
+        return _ACTIVE_SIGNAL if found is None else found[0]._signal()
+
+    @staticmethod
+    def heartbeat_result(joinable: Joinable, total: float) -> bool:
+        """Hand Join the reduced heartbeat slot carried by ``joinable``.
+
+        Returns False when every rank has joined (a shadowing hook then issues
+        nothing more this iteration), True otherwise.
+
+        Raises:
+            JoinAbortedError: on a training rank, when another rank failed.
+            RuntimeError: on a training rank with ``throw_on_early_termination``,
+                when a rank has joined.
+        """
+        found = _lookup(joinable)
+        if found is None:
+            return total != 0
+        return found[0]._on_total(total)
+
+
+def _wait(work: dist.Work, timeout: timedelta | None, what: str) -> None:
+    if timeout is None:
+        work.wait()
+        return
+    try:
+        work.wait(timeout)
+    except RuntimeError as error:
+        raise TimeoutError(
+            f"Join: timed out after {timeout.total_seconds():.0f} s waiting for {what}"
+        ) from error

@@ -1,0 +1,172 @@
+"""Run a function on several local ranks with a real gloo process group.
+
+For tests and examples of code built on :mod:`join_core`::
+
+    def train(rank: int, world_size: int) -> float:
+        ...  # torch.distributed is initialised here
+        return loss
+
+    losses = run_ranks(train, world_size=3)
+
+Every rank is a fresh process; the rendezvous store listens on 127.0.0.1 on a
+port the OS picks. The call returns each rank's result in rank order, or
+raises :class:`RanksFailedError` with every failing rank's traceback. It never
+waits longer than ``timeout``: ranks still running then are killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.context import BaseContext
+from typing import Any, Final, Generic, TypeVar
+
+import torch.distributed as dist
+
+# torch's stubs do not re-export the store class it documents publicly.
+TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
+
+__all__ = ["RanksFailedError", "run_ranks"]
+
+T = TypeVar("T")
+
+#: After one rank fails, how long the others get to finish before being killed.
+FAILURE_GRACE_S: Final = 30.0
+
+
+class RanksFailedError(RuntimeError):
+    """One or more ranks raised, or did not finish in time.
+
+    Attributes:
+        failures: rank -> the traceback (or reason) of each rank that failed.
+    """
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = failures
+        parts = [f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items())]
+        super().__init__("ranks failed: " + ", ".join(map(str, sorted(failures))) + "\n" + "\n".join(parts))
+
+
+@dataclass(frozen=True)
+class _Outcome(Generic[T]):
+    rank: int
+    ok: bool
+    value: T | None
+    error: str
+
+
+def _context() -> BaseContext:
+    # A fork server with torch already imported starts ranks in a fraction of
+    # spawn's time; fork itself is unsafe once torch has started threads.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    results: multiprocessing.Queue[bytes],
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        store = TCPStore("127.0.0.1", port, None, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        outcome: _Outcome[Any] = _Outcome(rank, True, value, "")
+    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+        outcome = _Outcome(rank, False, None, traceback.format_exc())
+    # Plain pickle: tensors travel by value, not as shared memory that dies
+    # with this process.
+    results.put(pickle.dumps(outcome))
+
+
+def run_ranks(
+    fn: Callable[..., T],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+) -> list[T]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
+
+    ``fn`` must be importable by name (a module-level function) and its
+    arguments and result picklable. Each process has the default process
+    group initialised with ``backend`` before ``fn`` runs, and destroyed after.
+
+    Args:
+        fn: the function each rank runs.
+        world_size: the number of ranks, at least 1.
+        args: passed to ``fn`` after ``rank`` and ``world_size``.
+        backend: the torch.distributed backend of the process group.
+        timeout: seconds before ranks still running are killed.
+
+    Raises:
+        RanksFailedError: a rank raised or did not finish within ``timeout``.
+    """
+    if world_size < 1:
+        raise ValueError(f"run_ranks(world_size={world_size}): need at least one rank")
+    ctx = _context()
+    store = TCPStore(
+        "127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
+    results: multiprocessing.Queue[bytes] = ctx.Queue()
+    procs = [
+        ctx.Process(  # type: ignore[attr-defined]
+            target=_rank_main,
+            args=(fn, args, rank, world_size, store.port, backend, timeout, results),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, _Outcome[T]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcomes) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                outcome: _Outcome[T] = pickle.loads(results.get(timeout=min(left, 1.0)))
+            except queue.Empty:
+                if all(not proc.is_alive() for proc in procs) and results.empty():
+                    break  # a rank died without reporting
+                continue
+            outcomes[outcome.rank] = outcome
+            if not outcome.ok:
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    finally:
+        for proc in procs:
+            proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        results.close()
+        del store
+    failures = {rank: o.error for rank, o in outcomes.items() if not o.ok}
+    for rank, proc in enumerate(procs):
+        if rank not in outcomes:
+            failures[rank] = f"no result within {timeout:.0f} s (exit code {proc.exitcode})"
+    if failures:
+        raise RanksFailedError(failures)
+    return [outcomes[rank].value for rank in range(world_size)]  # type: ignore[misc]

@@ -1,0 +1,38 @@
+"""mypy --strict (mypy.ini) over every package's sources and tests.
+
+Each package is checked on its own, with its tests folder on the path, so
+test helper modules of different packages never collide.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> int:
+    failed = []
+    for package in sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml")):
+        targets = [str(package / "src"), str(package / "tests")]
+        env = dict(os.environ, MYPYPATH=str(package / "tests"))
+        print(f"mypy: {package.name}", flush=True)
+        cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "mypy.ini"), *targets]
+        if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:
+            failed.append(package.name)
+    for folder in ("integration_tests", "tools"):
+        if (ROOT / folder).is_dir():
+            print(f"mypy: {folder}", flush=True)
+            cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "mypy.ini"), folder]
+            if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+                failed.append(folder)
+    if failed:
+        print("mypy failed for: " + ", ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
