@@ -117,7 +117,9 @@ def train(rank: int, world_size: int, base: int) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nproc", type=int, default=3, help="number of local ranks (default 3)")
     parser.add_argument("--batches", type=int, default=4, help="batches of rank 0; rank r has 2r more")
     args = parser.parse_args(argv)

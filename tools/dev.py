@@ -113,7 +113,7 @@ def _pytest_counts(output: str) -> tuple[int, int]:
 
 
 def main(argv: list[str]) -> int:
-    if sys.version_info < (3, 10):
+    if sys.version_info < (3, 10):  # noqa: UP036 - a clear message for older Pythons
         sys.exit("tools/dev.py needs Python 3.10 or newer")
     if not argv or argv[0] not in {"demo", "test"}:
         print(__doc__)

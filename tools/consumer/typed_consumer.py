@@ -9,9 +9,14 @@ import torch
 import torch.distributed as dist
 from typing_extensions import assert_type
 
+import ddp_join
 import join_core
-from join_core import Join, JoinAbortedError, JoinHook, Joinable
+import rpc_registry
+from ddp_join import DistributedDataParallel, GradBucket, ZeroRedundancyOptimizer, allreduce_hook
+from join_core import Join, Joinable, JoinAbortedError, JoinHook
 from join_core.testing import RanksFailedError, run_ranks
+from rpc_registry import BackendType, BackendValue, RRef, WorkerInfo, backend_registered
+from rpc_registry.functions import async_execution
 
 
 class CounterHook(JoinHook):
@@ -72,6 +77,52 @@ def train(rank: int, world_size: int) -> int:
     return rank
 
 
+def train_ddp(rank: int, world_size: int) -> list[torch.Tensor]:
+    model = DistributedDataParallel(torch.nn.Linear(4, 1), bucket_cap_mb=25, find_unused_parameters=False)
+    assert_type(model.module, torch.nn.Linear)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    assert_type(optimizer.optim, torch.optim.Optimizer)
+    with model.join(divide_by_initial_world_size=True) as join:
+        assert_type(join, Join)
+    with Join([model, optimizer], throw_on_early_termination=False):
+        with model.no_sync():
+            model(torch.ones(2, 4)).sum().backward()
+        model(torch.ones(2, 4)).sum().backward()
+        assert_type(optimizer.step(), None)
+    optimizer.consolidate_state_dict(to=0)
+    assert_type(optimizer.state_dict(), dict[str, Any])
+    return [p.detach() for p in model.parameters()]
+
+
+def halve(state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    assert_type(bucket.buffer(), torch.Tensor)
+    assert_type(bucket.divisor(), int)
+    return allreduce_hook(state, bucket)
+
+
+def use_rpc() -> None:
+    assert_type(backend_registered("TENSORPIPE"), bool)
+    for member in BackendType:
+        assert_type(member, BackendType)
+        assert_type(member.value, BackendValue)
+    assert_type(rpc_registry.get_worker_info(), WorkerInfo)
+    assert_type(rpc_registry.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)), torch.Tensor)
+    future = rpc_registry.rpc_async("worker1", torch.add, args=(torch.ones(1), 1), timeout=-1.0)
+    assert_type(future, torch.futures.Future[torch.Tensor])
+    rref = rpc_registry.remote("worker1", torch.ones, args=(2,))
+    assert_type(rref, RRef[torch.Tensor])
+    assert_type(rref.to_here(timeout=5.0), torch.Tensor)
+    assert_type(rref.owner(), WorkerInfo)
+    rpc_registry.shutdown(graceful=True)
+
+
+@async_execution
+def later(x: int) -> torch.futures.Future[int]:
+    future: torch.futures.Future[int] = torch.futures.Future()
+    future.set_result(x)
+    return future
+
+
 def main() -> None:
     try:
         ranks = run_ranks(train, 2, timeout=60.0)
@@ -82,6 +133,12 @@ def main() -> None:
         assert_type(aborted.failures, dict[int, str])
     assert_type(JoinHook().carries_heartbeat, bool)
     assert_type(join_core.__all__, list[str])
+    assert_type(ddp_join.__all__, list[str])
+    assert_type(run_ranks(train_ddp, 2), list[list[torch.Tensor]])
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    model.register_comm_hook(None, halve)
+    use_rpc()
+    assert_type(later(1), torch.futures.Future[int])
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ class CountingJoinable:
         self._owes_broadcast = False
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _Hook(self, kwargs)
+        return CountingHook(self, kwargs)
 
     @property
     def join_device(self) -> torch.device:
@@ -56,7 +56,7 @@ class CountingJoinable:
         return group
 
 
-class _Hook(JoinHook):
+class CountingHook(JoinHook):
     def __init__(self, joinable: CountingJoinable, kwargs: dict[str, Any]) -> None:
         self.joinable = joinable
         self.kwargs = kwargs

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from counting_joinable import CountingJoinable
+from counting_joinable import CountingHook, CountingJoinable
 
 from join_core import Join, Joinable, JoinAbortedError, JoinHook
 from join_core.testing import run_ranks
@@ -55,11 +55,11 @@ def test_joined_ranks_shadow_until_the_last_rank_finishes(carries: bool) -> None
 def _hook_kwargs(rank: int, world_size: int) -> dict[str, Any]:
     joinable = CountingJoinable(False)
     join = Join([joinable], some_option=rank)
-    hook = join._hooks[0]  # the test's own hook type
-    assert isinstance(hook, JoinHook)
+    hook = join._hooks[0]
+    assert isinstance(hook, CountingHook)
     with join:
         joinable.step(1.0)
-    return hook.kwargs  # type: ignore[no-any-return]
+    return hook.kwargs
 
 
 def test_kwargs_reach_every_join_hook() -> None:

@@ -130,6 +130,7 @@ class Join:
         self._entered = True
         if not self._enable:
             return self
+        self._fused = self._hooks[0].carries_heartbeat  # a joinable may change it until now
         with _registry_lock:
             for joinable in self._joinables:
                 entry = _lookup(joinable)
@@ -290,6 +291,11 @@ class Join:
         _wait(work, None, "the heartbeat all-reduce of the other ranks")
         join._on_total(float(beat.item()))
         return work
+
+    @staticmethod
+    def is_active(joinable: Joinable) -> bool:
+        """Whether ``joinable`` is inside an entered, enabled Join right now."""
+        return _lookup(joinable) is not None
 
     @staticmethod
     def heartbeat_signal(joinable: Joinable) -> float:
