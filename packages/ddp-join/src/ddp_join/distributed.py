@@ -1,0 +1,572 @@
+"""DistributedDataParallel: gradient buckets all-reduced during backward,
+correct under join_core.Join when ranks have uneven inputs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from ddp_join._groups import global_rank
+from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook
+from join_core import Join, JoinHook
+
+__all__ = ["DistributedDataParallel"]
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+#: The first bucket is small so its all-reduce starts early in backward.
+FIRST_BUCKET_BYTES: Final = 1024 * 1024
+# Float types that represent the heartbeat and flag counts exactly.
+_EXACT_COUNT_DTYPES: Final = (torch.float32, torch.float64)
+
+
+@dataclass
+class _Bucket:
+    """Parameters whose gradients are reduced together, in one flat buffer.
+
+    The buffer starts with ``meta_len`` elements reserved for per-iteration
+    metadata (bucket 0 only, when its dtype counts exactly)."""
+
+    index: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    meta_len: int
+    buffer: torch.Tensor
+    pending: int = 0
+    ready: list[bool] = field(default_factory=list)
+    future: torch.futures.Future[torch.Tensor] | None = None
+
+    @property
+    def grads(self) -> torch.Tensor:
+        return self.buffer[self.meta_len :]
+
+    def grad_view(self, position: int) -> torch.Tensor:
+        param = self.params[position]
+        start = self.meta_len + self.offsets[position]
+        return self.buffer[start : start + param.numel()].view_as(param)
+
+
+class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
+    """Data-parallel training of ``module`` across the ranks of a process group.
+
+    Parameters and buffers are broadcast from rank 0 at construction. During
+    backward, gradients are gathered into buckets (parameters in reverse
+    order, about ``bucket_cap_mb`` MiB each), and each bucket is all-reduced
+    as soon as it is full; when ``backward()`` returns, every ``.grad`` holds
+    the average over the ranks.
+
+    With uneven inputs, train under ``with model.join():`` (or
+    ``join_core.Join([model, optimizer])``): ranks that run out shadow the
+    others' collectives, receive the reduced gradients (so a sharded
+    optimizer on a joined rank steps with the right ones), and at the end
+    every rank takes the model of the last rank to join. A healthy iteration
+    issues no collective beyond the buckets: the count of ranks still
+    training rides in the first bucket.
+
+    Args:
+        module: the model replicated on every rank; its parameters must all
+            be on one device.
+        device_ids: None for CPU modules or ``[i]`` for a module on ``cuda:i``.
+        output_device: accepted for compatibility; outputs stay where the
+            module puts them.
+        process_group: the group to train over (default: the world).
+        bucket_cap_mb: the size of a gradient bucket in MiB.
+        broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from
+            one rank before each forward that synchronizes gradients.
+        find_unused_parameters: find the parameters a forward does not use,
+            so their buckets need not wait for the end of backward, and leave
+            ``.grad`` untouched for parameters no rank used. Either way a
+            parameter without a gradient is reduced as zeros; nothing hangs.
+        gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
+            saving a copy and the memory of one set of gradients.
+
+    Example::
+
+        model = DistributedDataParallel(torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with model.join():
+            for x, y in my_batches:  # may be fewer on some ranks
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+    """
+
+    def __init__(
+        self,
+        module: ModuleT,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedDataParallel: the default process group is not initialized; "
+                "call torch.distributed.init_process_group() first"
+            )
+        group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None
+        self.process_group: dist.ProcessGroup = group
+        self.module: ModuleT = module
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError(
+                "DistributedDataParallel: the module has no parameter that requires a gradient; "
+                "there is nothing to synchronize"
+            )
+        self.device = self._check_device(module, device_ids)
+        self.device_ids = device_ids
+        self.output_device = output_device
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"DistributedDataParallel(bucket_cap_mb={bucket_cap_mb}): must be positive")
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        #: False inside ``no_sync()``: gradients accumulate locally.
+        self.require_backward_grad_sync = True
+
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+        self._buffers_list = list(module.buffers())
+        self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        self._comm_hook: CommHook | None = None
+        self._comm_state: Any = None
+        self._divide_by_initial_world_size = True
+        self._buffer_src = 0  # group rank whose buffers the next forward takes
+
+        self._broadcast_coalesced(list(module.parameters()) + self._buffers_list, src=0)
+        self._buckets = self._make_buckets(int(bucket_cap_mb * 1024 * 1024))
+        self._where = {}  # param index -> (bucket, position)
+        for bucket in self._buckets:
+            for position, param in enumerate(bucket.params):
+                self._where[self._param_index[id(param)]] = (bucket, position)
+        self._hook_handles = [
+            param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
+            for index, param in enumerate(self._params)
+        ]
+        self._reset_iteration()
+
+    # Construction.
+
+    @staticmethod
+    def _check_device(module: torch.nn.Module, device_ids: list[int | torch.device] | None) -> torch.device:
+        devices = {p.device for p in module.parameters()}
+        if len(devices) != 1:
+            found = ", ".join(sorted(map(str, devices))) or "none"
+            raise ValueError(
+                f"DistributedDataParallel(module): parameters must be on exactly one device, found {found}; "
+                "move the module with module.to(device) first"
+            )
+        device = devices.pop()
+        if device_ids is not None:
+            if device.type == "cpu":
+                raise ValueError(
+                    f"DistributedDataParallel(device_ids={device_ids}): must be None for a module on the CPU"
+                )
+            if len(device_ids) != 1 or torch.device("cuda", torch.device(device_ids[0]).index or 0) != device:
+                raise ValueError(
+                    f"DistributedDataParallel(device_ids={device_ids}): must be [{device.index}], "
+                    f"the device of the module's parameters ({device})"
+                )
+        return device
+
+    def _make_buckets(self, cap_bytes: int) -> list[_Bucket]:
+        groups: list[list[torch.nn.Parameter]] = []
+        open_group: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        sizes: dict[torch.dtype, int] = {}
+        for param in reversed(self._params):
+            current = open_group.get(param.dtype)
+            limit = FIRST_BUCKET_BYTES if not groups or current is groups[0] else cap_bytes
+            nbytes = param.numel() * param.element_size()
+            if current is None or (current and sizes[param.dtype] + nbytes > limit):
+                current = []
+                groups.append(current)
+                open_group[param.dtype] = current
+                sizes[param.dtype] = 0
+            current.append(param)
+            sizes[param.dtype] += nbytes
+        self._meta_len = 1 + self._world_size + (len(self._params) if self.find_unused_parameters else 0)
+        self._meta_rides = groups[0][0].dtype in _EXACT_COUNT_DTYPES
+        buckets = []
+        for index, params in enumerate(groups):
+            offsets, total = [], 0
+            for param in params:
+                offsets.append(total)
+                total += param.numel()
+            meta_len = self._meta_len if index == 0 and self._meta_rides else 0
+            buffer = torch.zeros(meta_len + total, dtype=params[0].dtype, device=self.device)
+            bucket = _Bucket(index, params, offsets, meta_len, buffer)
+            if self.gradient_as_bucket_view:
+                for position, param in enumerate(params):
+                    param.grad = bucket.grad_view(position)
+            buckets.append(bucket)
+        return buckets
+
+    # Public API.
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the module; before, if this forward will synchronize gradients,
+        tell the Join context and broadcast buffers."""
+        syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if syncing:
+            Join.notify_join_context(self)
+            self._reset_iteration()
+            self._open = True
+            if self.broadcast_buffers:
+                self._sync_buffers()
+        output = self.module(*inputs, **kwargs)
+        if syncing and self.find_unused_parameters:
+            self._mark_unused(output)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside issue no
+        collective; the first one outside reduces the accumulated sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead of the
+        default averaging all-reduce. Register before training, once.
+
+        Joined ranks call the hook too, with zeros, so it must issue the same
+        collectives whatever the values. Hooks other than :func:`allreduce_hook`
+        cost one small all-reduce more per iteration under Join (the count of
+        ranks still training can no longer ride in the first bucket).
+        """
+        if self._comm_hook is not None:
+            raise RuntimeError("DistributedDataParallel.register_comm_hook: a hook is already registered")
+        if Join.is_active(self):
+            raise RuntimeError("DistributedDataParallel.register_comm_hook: register before entering a Join")
+        if not callable(hook):
+            raise TypeError(f"DistributedDataParallel.register_comm_hook(hook={hook!r}): not callable")
+        self._comm_hook = hook
+        self._comm_state = state
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """A :class:`join_core.Join` over this model alone.
+
+        Args:
+            divide_by_initial_world_size: True: each iteration's gradient is
+                the sum over the ranks still training divided by the world
+                size; False: divided by the number of ranks still training.
+            enable: False turns join logic off (for inputs known to be even).
+            throw_on_early_termination: raise on every rank as soon as one
+                runs out of inputs.
+        """
+        return Join(
+            [self],
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook that shadows this model's collectives on a joined rank.
+
+        Args:
+            divide_by_initial_world_size: see :meth:`join` (default True).
+        """
+        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        return _DDPJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the module's parameters."""
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The process group gradients are reduced over."""
+        return self.process_group
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The inner module's state dict (keys without a ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a state dict of the inner module."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # One iteration.
+
+    @property
+    def _carries(self) -> bool:
+        """Whether the metadata (and Join's heartbeat) ride in bucket 0."""
+        return self._meta_rides and (self._comm_hook is None or self._comm_hook is allreduce_hook)
+
+    def _reset_iteration(self) -> None:
+        self._open = False
+        self._callback_queued = False
+        self._next_launch = 0
+        self._meta_future: torch.futures.Future[torch.Tensor] | None = None
+        self._used = [True] * len(self._params)
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.params)
+            bucket.ready = [False] * len(bucket.params)
+            bucket.future = None
+
+    def _make_grad_hook(self, index: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            if not self._open:
+                return
+            if not self._callback_queued:
+                self._callback_queued = True
+                Variable._execution_engine.queue_callback(self._finish_backward)
+            self._grad_ready(index, param.grad)
+
+        return hook
+
+    def _grad_ready(self, index: int, grad: torch.Tensor | None) -> None:
+        bucket, position = self._where[index]
+        if bucket.ready[position]:
+            return
+        view = bucket.grad_view(position)
+        param = bucket.params[position]
+        if grad is None:
+            grad = param.grad  # no gradient this backward: what no_sync accumulated, if anything
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            if self.gradient_as_bucket_view:
+                param.grad = view
+        bucket.ready[position] = True
+        bucket.pending -= 1
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            self._launch(self._buckets[self._next_launch], training=True)
+            self._next_launch += 1
+
+    def _signal_meta(self, training: bool) -> torch.Tensor:
+        """This rank's contribution to the metadata: [heartbeat, active flag
+        per rank, used flag per parameter (find_unused_parameters only)]."""
+        meta = torch.zeros(self._meta_len, dtype=torch.float64)
+        meta[0] = Join.heartbeat_signal(self)
+        if training:
+            meta[1 + self._rank] = 1.0
+            if self.find_unused_parameters:
+                meta[1 + self._world_size :] = torch.tensor(self._used, dtype=torch.float64)
+        return meta
+
+    def _divisor(self, meta: torch.Tensor) -> int:
+        if self._divide_by_initial_world_size or meta.numel() == 0:
+            return self._world_size
+        return max(1, round(float(meta[1 : 1 + self._world_size].sum())))
+
+    def _rides(self, bucket: _Bucket) -> bool:
+        return bucket.meta_len > 0 and self._carries
+
+    def _launch(self, bucket: _Bucket, training: bool) -> None:
+        if bucket.index == 0:
+            if self._rides(bucket):
+                bucket.buffer[: bucket.meta_len].copy_(self._signal_meta(training))
+            elif self.find_unused_parameters or Join.is_active(self):
+                # The metadata cannot ride with these gradients: its own all-reduce, first.
+                separate = self._signal_meta(training).to(self.device, torch.float32)
+                work = dist.all_reduce(separate, group=self.process_group, async_op=True)
+                self._meta_future = work.get_future().then(lambda f: f.value()[0])
+        if self._rides(bucket):
+            work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+            bucket.future = work.get_future().then(lambda f: f.value()[0])
+            return
+        if self._comm_hook is None:
+            work = dist.all_reduce(bucket.grads, group=self.process_group, async_op=True)
+            bucket.future = work.get_future().then(lambda f: f.value()[0])
+            return
+        if self._meta_future is not None and not self._divide_by_initial_world_size:
+            divisor = self._divisor(self._meta_future.wait())
+        else:
+            divisor = self._world_size
+        grad_bucket = GradBucket(
+            bucket.index, bucket.grads, bucket.params, bucket.index == len(self._buckets) - 1, divisor
+        )
+        bucket.future = self._comm_hook(self._comm_state, grad_bucket)
+
+    def _finish_backward(self) -> None:
+        """End of backward: reduce what is left, wait, and write the averaged
+        gradients to ``.grad``; then hand Join the heartbeat."""
+        for index in range(len(self._params)):
+            bucket, position = self._where[index]
+            if not bucket.ready[position]:
+                self._grad_ready(index, None)
+        total = self._complete(training=True)
+        self._reset_iteration()
+        if total is not None:
+            Join.heartbeat_result(self, total)
+
+    def _complete(self, training: bool) -> float | None:
+        """Wait for every bucket, write gradients, remember which rank's
+        buffers to take next; return the carried heartbeat, if any."""
+        results = []
+        for bucket in self._buckets:
+            assert bucket.future is not None
+            results.append(bucket.future.wait())
+        first = self._buckets[0]
+        if self._rides(first):
+            meta = results[0][: first.meta_len].to(torch.float64, copy=True)
+        elif self._meta_future is not None:
+            meta = self._meta_future.wait().to(torch.float64)
+        else:
+            meta = torch.zeros(0)
+        divisor = self._divisor(meta)
+        used = (
+            [count > 0 for count in meta[1 + self._world_size :].tolist()]
+            if self.find_unused_parameters and meta.numel()
+            else [True] * len(self._params)
+        )
+        for bucket, result in zip(self._buckets, results):
+            grads = result[bucket.meta_len :] if self._rides(bucket) else result
+            if grads.data_ptr() != bucket.grads.data_ptr():
+                bucket.grads.copy_(grads)
+            if self._comm_hook is None or self._rides(bucket):
+                bucket.grads.div_(divisor)
+            for position, param in enumerate(bucket.params):
+                if not used[self._param_index[id(param)]]:
+                    continue  # no rank used it: .grad stays as it was
+                view = bucket.grad_view(position)
+                if self.gradient_as_bucket_view:
+                    param.grad = view
+                elif param.grad is None or not training:
+                    param.grad = view.clone()
+                else:
+                    param.grad.copy_(view)
+        if meta.numel():
+            active = (meta[1 : 1 + self._world_size] > 0).nonzero()
+            if active.numel():
+                self._buffer_src = int(active[0])
+        return float(meta[0]) if self._rides(first) else None
+
+    def _mark_unused(self, output: Any) -> None:
+        """Find the parameters the autograd graph of ``output`` does not reach."""
+        reached: set[int] = set()
+        seen: set[Any] = set()
+        stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                reached.add(id(variable))
+            stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+        unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
+        for index in unused:
+            self._used[index] = False
+        if unused and len(unused) == len(self._params):
+            return  # no hook will fire on this rank; the end of backward handles it
+        for index in unused:
+            self._grad_ready(index, None)
+
+    # Collectives outside backward.
+
+    def _sync_buffers(self) -> None:
+        if self._buffers_list:
+            src = global_rank(self.process_group, self._buffer_src)
+            self._broadcast_coalesced(self._buffers_list, src)
+
+    def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int) -> None:
+        """Broadcast tensors from global rank ``src``, one collective per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                dist.broadcast(flat, src=src, group=self.process_group)
+                offset = 0
+                for tensor in group:
+                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class _DDPJoinHook(JoinHook):
+    """Shadows one DistributedDataParallel iteration on a joined rank: the
+    buffer broadcast, then every bucket (zeros) through the same reduction."""
+
+    def __init__(self, ddp: DistributedDataParallel[Any]) -> None:
+        self.ddp = ddp
+
+    @property
+    def carries_heartbeat(self) -> bool:  # type: ignore[override]
+        return self.ddp._carries
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        ddp._reset_iteration()
+        if ddp.broadcast_buffers:
+            ddp._sync_buffers()
+        self._reduce_zeros()
+
+    def _reduce_zeros(self) -> None:
+        ddp = self.ddp
+        for bucket in ddp._buckets:
+            bucket.grads.zero_()
+        first = ddp._buckets[0]
+        ddp._launch(first, training=False)
+        if self.carries_heartbeat:
+            assert first.future is not None
+            total = float(first.future.wait()[0])
+            if not Join.heartbeat_result(ddp, total):
+                ddp._reset_iteration()
+                return  # every rank has joined: nobody reduces the other buckets
+        for bucket in ddp._buckets[1:]:
+            ddp._launch(bucket, training=False)
+        ddp._complete(training=False)
+        ddp._reset_iteration()
+
+    def abort_hook(self) -> None:
+        ddp = self.ddp
+        if not ddp._open:
+            return
+        # The rank failed between this iteration's forward and the end of its
+        # backward: reduce the buckets it still owes (zeros for missing gradients).
+        for index in range(len(ddp._params)):
+            bucket, position = ddp._where[index]
+            if not bucket.ready[position]:
+                ddp._grad_ready(index, None)
+        total = ddp._complete(training=False)
+        ddp._reset_iteration()
+        if total is not None:
+            Join.heartbeat_result(ddp, total)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        # Every rank takes the model of the highest-ranked last joiner.
+        ddp = self.ddp
+        candidate = torch.tensor([ddp._rank if is_last_joiner else -1], device=ddp.device)
+        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        src = global_rank(ddp.process_group, int(candidate.item()))
+        ddp._broadcast_coalesced(list(ddp.module.parameters()) + ddp._buffers_list, src)

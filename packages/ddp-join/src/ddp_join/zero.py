@@ -1,0 +1,276 @@
+"""ZeroRedundancyOptimizer: optimizer state sharded across ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, overload
+
+import torch
+import torch.distributed as dist
+
+from ddp_join._groups import gather_objects, global_rank
+from join_core import Join, JoinHook
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer_class`` so that each rank keeps the state of only its
+    shard of the parameters.
+
+    ``step()`` updates this rank's shard with the local optimizer, then every
+    shard is broadcast from its owner, so all ranks end the step with the full,
+    identical parameters. Works under ``join_core.Join([model, optimizer])``:
+    a joined rank keeps stepping its shard (with the gradients the joined
+    model received) and broadcasting it.
+
+    Args:
+        params: the parameters, or parameter groups (dicts), as for any
+            torch optimizer.
+        optimizer_class: the optimizer each rank runs on its shard, e.g.
+            ``torch.optim.Adam``.
+        process_group: the group to shard over (default: the world).
+        parameters_as_bucket_view: keep each rank's parameters as views into
+            one flat buffer per dtype, so a shard is broadcast without copies.
+        defaults: keyword arguments of ``optimizer_class`` (``lr=...``).
+
+    Example::
+
+        model = ddp_join.DistributedDataParallel(net)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+        with join_core.Join([model, optimizer]):
+            for batch in my_batches:
+                model(batch).sum().backward()
+                optimizer.step()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        process_group: dist.ProcessGroup | None = None,
+        parameters_as_bucket_view: bool = False,
+        **defaults: Any,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer: the default process group is not initialized; "
+                "call torch.distributed.init_process_group() first"
+            )
+        group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None
+        self.process_group: dist.ProcessGroup = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.optimizer_class = optimizer_class
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self._owner: dict[int, int] = {}  # id(param) -> rank that steps it
+        self._load = [0] * self.world_size  # elements owned per rank
+        self._initialized = False
+        self._consolidated: list[dict[int, Any]] | None = None
+        super().__init__(params, defaults)
+        for param_group in self.param_groups:
+            self._assign(param_group["params"])
+        self.optim = optimizer_class(
+            [{**g, "params": self._local_params(g)} for g in self.param_groups], **defaults
+        )
+        for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
+            _fill_defaults(global_group, local_group)
+        self._initialized = True
+        self._make_bucket_views()
+
+    # Sharding.
+
+    def _assign(self, params: list[torch.Tensor]) -> None:
+        """Give each parameter to the rank with the fewest elements so far
+        (largest first, so shards stay balanced); the same on every rank."""
+        for param in sorted(params, key=lambda p: -p.numel()):
+            if id(param) in self._owner:
+                raise ValueError("ZeroRedundancyOptimizer: a parameter appears in more than one group")
+            owner = min(range(self.world_size), key=lambda r: self._load[r])
+            self._owner[id(param)] = owner
+            self._load[owner] += param.numel()
+
+    def _local_params(self, param_group: dict[str, Any]) -> list[torch.Tensor]:
+        return [p for p in param_group["params"] if self._owner[id(p)] == self.rank]
+
+    def _owned_by(self, rank: int) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"] if self._owner[id(p)] == rank]
+
+    def _make_bucket_views(self) -> None:
+        self._buckets: list[tuple[int, torch.Tensor]] = []
+        if not self.parameters_as_bucket_view:
+            return
+        for rank in range(self.world_size):
+            for params in _by_dtype(self._owned_by(rank)).values():
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+                offset = 0
+                for param in params:
+                    param.data = flat[offset : offset + param.numel()].view_as(param)
+                    offset += param.numel()
+                self._buckets.append((rank, flat))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group; its parameters are sharded like the others."""
+        super().add_param_group(param_group)
+        if not self._initialized:
+            return
+        added = self.param_groups[-1]
+        self._assign(added["params"])
+        self.optim.add_param_group({**added, "params": self._local_params(added)})
+        _fill_defaults(added, self.optim.param_groups[-1])
+        self._make_bucket_views()
+
+    # Stepping.
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Step this rank's shard, then broadcast every shard from its owner.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+        """
+        Join.notify_join_context(self)
+        loss = self._local_step(closure)
+        self._broadcast_shards()
+        return loss
+
+    def _local_step(self, closure: Callable[[], float] | None = None) -> float | None:
+        for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
+            for key, value in global_group.items():
+                if key != "params":
+                    local_group[key] = value  # e.g. a learning-rate scheduler's change
+        return self.optim.step(closure)
+
+    def _broadcast_shards(self) -> None:
+        with torch.no_grad():
+            if self.parameters_as_bucket_view:
+                for rank, flat in self._buckets:
+                    dist.broadcast(flat, src=global_rank(self.process_group, rank), group=self.process_group)
+                return
+            for rank in range(self.world_size):
+                for params in _by_dtype(self._owned_by(rank)).values():
+                    flat = torch.cat([p.detach().reshape(-1) for p in params])
+                    dist.broadcast(flat, src=global_rank(self.process_group, rank), group=self.process_group)
+                    if rank != self.rank:
+                        offset = 0
+                        for param in params:
+                            param.copy_(flat[offset : offset + param.numel()].view_as(param))
+                            offset += param.numel()
+
+    # State.
+
+    def _global_index(self) -> dict[int, int]:
+        return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every shard's optimizer state on rank ``to`` (a collective:
+        call it on every rank); then ``state_dict()`` works there."""
+        if not 0 <= to < self.world_size:
+            raise ValueError(f"consolidate_state_dict(to={to}): must be a rank in [0, {self.world_size})")
+        index = self._global_index()
+        local = self.optim.state_dict()
+        local_params = [p for g in self.optim.param_groups for p in g["params"]]
+        mine = {index[id(local_params[i])]: _to_cpu(state) for i, state in local["state"].items()}
+        self._consolidated = gather_objects(mine, to, self.process_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer's state, as a plain ``optimizer_class`` state dict
+        over all parameters. Needs ``consolidate_state_dict(to=this rank)``."""
+        if self._consolidated is None:
+            raise RuntimeError(
+                f"ZeroRedundancyOptimizer.state_dict: rank {self.rank} holds no consolidated state; "
+                f"call consolidate_state_dict(to={self.rank}) on every rank first"
+            )
+        state: dict[int, Any] = {}
+        for shard in self._consolidated:
+            state.update(shard)
+        index = self._global_index()
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+            for g in self.param_groups
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` (or of ``optimizer_class``
+        over the same parameters); each rank keeps its shard's part."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"load_state_dict: the state dict has {len(groups)} parameter groups, "
+                f"this optimizer {len(self.param_groups)}"
+            )
+        index = self._global_index()
+        local_state: dict[int, Any] = {}
+        local_groups = []
+        position = 0
+        for global_group, saved in zip(self.param_groups, groups):
+            for key, value in saved.items():
+                if key != "params":
+                    global_group[key] = value
+            ids = []
+            for param in self._local_params(global_group):
+                saved_state = state_dict["state"].get(index[id(param)])
+                if saved_state is not None:
+                    local_state[position] = saved_state
+                ids.append(position)
+                position += 1
+            local_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+    # Joinable.
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook that keeps a joined rank stepping and broadcasting its shard."""
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the first parameter."""
+        device: torch.device = next(p.device for g in self.param_groups for p in g["params"])
+        return device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The process group the shards are broadcast over."""
+        return self.process_group
+
+
+class _ZeroJoinHook(JoinHook):
+    """On a joined rank: step the shard with the gradients the joined model
+    received, and broadcast every shard, as the ranks still training do."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero._local_step()
+        self.zero._broadcast_shards()
+
+
+def _by_dtype(params: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for param in params:
+        groups.setdefault((param.dtype, param.device), []).append(param)
+    return groups
+
+
+def _fill_defaults(global_group: dict[str, Any], local_group: dict[str, Any]) -> None:
+    """Show the local optimizer's defaults (e.g. momentum) in the global group."""
+    for key, value in local_group.items():
+        if key != "params":
+            global_group.setdefault(key, value)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
