@@ -1,0 +1,592 @@
+"""The RPC API, built once on top of any :class:`~rpc_registry.protocols.RpcAgent`.
+
+The agent moves :class:`~rpc_registry.protocols.Message` objects. This module
+pickles calls and replies (tensors travel beside the payload), keeps RRef
+reference counts, runs ``async_execution`` functions and gives timeouts their
+meaning: seconds, ``0`` for none, ``-1`` for the agent's default.
+"""
+
+from __future__ import annotations
+
+import heapq
+import io
+import itertools
+import logging
+import os
+import pickle
+import re
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, Final, TypeVar
+from urllib.parse import urlparse
+
+import torch
+from torch.distributed.distributed_c10d import PrefixStore, Store
+from torch.distributed.rendezvous import rendezvous
+from torch.futures import Future
+
+from . import rref as _rref
+from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
+from .functions import is_async_execution
+from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
+from .registry import _REGISTRY, BackendType, construct_rpc_backend_options, init_backend
+from .rref import RRef, RRefContext, completed, copy_outcome, fail
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "get_worker_info",
+    "init_rpc",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+]
+
+T = TypeVar("T")
+WorkerRef = WorkerInfo | str | int
+
+_NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9_:\-]+")
+_MAX_NAME_LENGTH: Final = 128
+_NUM_WORKER_THREADS: Final = 16
+
+
+class _Pickler(pickle.Pickler):
+    """Takes tensors out of the payload and turns RRefs into fork descriptions."""
+
+    def __init__(self, file: io.BytesIO, ctx: RRefContext, dest: WorkerInfo) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.ctx = ctx
+        self.dest = dest
+        self.tensors: list[torch.Tensor] = []
+        self.rrefs: list[RRef[Any]] = []
+        self.forks: list[tuple[WorkerInfo, _rref.RRefId, _rref.ForkId]] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return ("tensor", len(self.tensors) - 1)
+        if isinstance(obj, RRef):
+            self.rrefs.append(obj)
+            return ("rref", self.ctx.to_wire(obj, self.dest, self.forks))
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, message: Message, ctx: RRefContext) -> None:
+        super().__init__(io.BytesIO(message.payload))
+        self.message = message
+        self.ctx = ctx
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, data = pid
+        if kind == "tensor":
+            return self.message.tensors[data]
+        if kind == "rref":
+            return self.ctx.from_wire(data)
+        raise pickle.UnpicklingError(f"unknown persistent id kind {kind!r}")
+
+
+class _Deadlines:
+    """One thread that fails futures whose timeout passed."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, list[Callable[[], None] | None]]] = []
+        self._seq = itertools.count()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="rpc-registry-timeouts", daemon=True)
+        self._thread.start()
+
+    def bound(self, fut: Future[T], timeout: float, what: str) -> Future[T]:
+        """A future like ``fut`` that fails with ``TimeoutError`` after ``timeout`` s (0: never)."""
+        if timeout <= 0:
+            return fut
+        out: Future[T] = Future()
+        lock = threading.Lock()
+        # The heap keeps only this cell; clearing it lets the reply be freed early.
+        cell: list[Callable[[], None] | None] = [None]
+
+        def settle(apply: Callable[[], None]) -> None:
+            with lock:
+                if out.done():
+                    return
+                cell[0] = None
+                apply()
+
+        def expire() -> None:
+            error = TimeoutError(
+                f"{what}: no reply within {timeout:g} s; pass a larger timeout, "
+                "or timeout=0 to wait without limit"
+            )
+            settle(lambda: fail(out, error))
+
+        cell[0] = expire
+        fut.add_done_callback(lambda f: settle(lambda: copy_outcome(f, out)))
+        with self._cond:
+            heapq.heappush(self._heap, (time.monotonic() + timeout, next(self._seq), cell))
+            self._cond.notify()
+        return out
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    delay = self._heap[0][0] - time.monotonic() if self._heap else None
+                    self._cond.wait(delay)
+                if self._stopped:
+                    return
+                callback = heapq.heappop(self._heap)[2][0]
+            if callback is not None:
+                callback()
+            del callback  # keep no finished call alive in this frame
+
+
+def _failure(exc: BaseException) -> tuple[str, object, str]:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        pickle.loads(pickle.dumps(exc))
+        error: object = exc
+    except Exception:  # noqa: BLE001 - any exception that does not round-trip is replaced
+        error = RuntimeError(f"{type(exc).__qualname__}: {exc}")
+    return ("err", error, text)
+
+
+class _RpcState:
+    """One initialized RPC session: the agent plus everything generic around it."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self.agent = agent
+        self._me = agent.get_worker_info()
+        self.executor = ThreadPoolExecutor(_NUM_WORKER_THREADS, thread_name_prefix="rpc-registry")
+        self.deadlines = _Deadlines()
+        self.rrefs = RRefContext(self)
+
+    @property
+    def me(self) -> WorkerInfo:
+        return self._me
+
+    def resolve_timeout(self, timeout: float) -> float:
+        if timeout == UNSET_RPC_TIMEOUT:
+            return self.agent.rpc_timeout
+        if timeout < 0:
+            raise ValueError(
+                f"timeout={timeout!r}: must be seconds >= 0 (0 waits without limit), "
+                "or -1 for the agent's default"
+            )
+        return timeout
+
+    def worker(self, to: WorkerRef) -> WorkerInfo:
+        if isinstance(to, WorkerInfo):
+            return to
+        if isinstance(to, str):
+            return self.agent.get_worker_info(to)
+        if isinstance(to, int):
+            for info in self.agent.get_worker_infos():
+                if info.id == to:
+                    return info
+            raise ValueError(f"to={to!r}: no worker has this id; pass a worker name instead")
+        raise TypeError(f"to={to!r}: must be a worker name, a WorkerInfo or a worker id")
+
+    # Encoding.
+    def encode(self, obj: object, dest: WorkerInfo) -> Future[Message]:
+        """Pickle ``obj`` for ``dest``; completes once forks it creates are known to their owners."""
+        buffer = io.BytesIO()
+        pickler = _Pickler(buffer, self.rrefs, dest)
+        pickler.dump(obj)
+        message = Message(buffer.getvalue(), tuple(pickler.tensors))
+        if not pickler.forks:
+            return completed(message)
+        registrations = [
+            self.request(owner, ("fork", rref_id, fork_id), self.agent.rpc_timeout)
+            for owner, rref_id, fork_id in pickler.forks
+        ]
+        out: Future[Message] = Future()
+        rrefs = pickler.rrefs  # keeps the sender's references alive until the send
+
+        def on_registered(_: Future[list[Future[Any]]]) -> None:
+            try:
+                for registration in registrations:
+                    registration.wait()
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                fail(out, exc)
+            else:
+                out.set_result(message)
+            rrefs.clear()
+
+        torch.futures.collect_all(registrations).add_done_callback(on_registered)
+        return out
+
+    def decode(self, message: Message) -> Any:
+        return _Unpickler(message, self.rrefs).load()
+
+    # Caller side.
+    def request(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Future[Any]:
+        result: Future[Any] = Future()
+        encoded = self.encode(request, to)
+        what = f"rpc from {self._me.name} to {to.name} ({_describe(request)})"
+
+        def send(done: Future[Message]) -> None:
+            try:
+                message = done.wait()
+                if to == self._me:
+                    reply = self.handle(self._me, message)
+                else:
+                    reply = self.agent.send(to, message, timeout)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                fail(result, exc)
+                return
+            reply.add_done_callback(lambda r: self._complete(r, result))
+
+        encoded.add_done_callback(send)
+        return self.deadlines.bound(result, timeout, what)
+
+    def _complete(self, reply: Future[Message], result: Future[Any]) -> None:
+        try:
+            status, *body = self.decode(reply.wait())
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            fail(result, exc)
+            return
+        if status == "ok":
+            result.set_result(body[0])
+            return
+        error, remote_traceback = body
+        add_note = getattr(error, "add_note", None)
+        if add_note is not None:
+            add_note(f"Raised on the remote worker:\n{remote_traceback}")
+        fail(result, error)
+
+    def remote(
+        self,
+        to: WorkerInfo,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float,
+    ) -> RRef[Any]:
+        rref_id = self.rrefs.new_id()
+        if to == self._me:
+            value = self.rrefs.create_owned(rref_id, None)
+            self.run(func, args, kwargs).add_done_callback(lambda f: copy_outcome(f, value))
+            return RRef._make(self.rrefs, to, rref_id, None, None)
+        fork_id = self.rrefs.new_id()
+        created = self.request(to, ("remote", func, args, kwargs, rref_id, fork_id), timeout)
+        return self.rrefs.track_user(RRef._make(self.rrefs, to, rref_id, fork_id, created))
+
+    # Callee side.
+    def handle(self, sender: WorkerInfo, message: Message) -> Future[Message]:
+        """The agent's request handler; bookkeeping happens before it returns."""
+        try:
+            outcome = self._dispatch(self.decode(message))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            outcome = Future()
+            fail(outcome, exc)
+        reply: Future[Message] = Future()
+        outcome.add_done_callback(lambda f: self._reply(f, sender, reply))
+        return reply
+
+    def _dispatch(self, request: tuple[Any, ...]) -> Future[Any]:
+        kind = request[0]
+        if kind == "call":
+            return self.run(*request[1:])
+        if kind == "remote":
+            func, args, kwargs, rref_id, fork_id = request[1:]
+            value = self.rrefs.create_owned(rref_id, fork_id)
+            self.run(func, args, kwargs).add_done_callback(lambda f: copy_outcome(f, value))
+            return completed(None)
+        if kind == "fetch":
+            return self.rrefs.value_of(request[1])
+        if kind == "fork":
+            self.rrefs.add_fork(request[1], request[2])
+            return completed(None)
+        if kind == "delete":
+            self.rrefs.delete_fork(request[1], request[2])
+            return completed(None)
+        raise ValueError(f"unknown request kind {kind!r}")
+
+    def _reply(self, outcome: Future[Any], dest: WorkerInfo, reply: Future[Message]) -> None:
+        try:
+            payload: tuple[object, ...] = ("ok", outcome.value())
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            payload = _failure(exc)
+        try:
+            encoded = self.encode(payload, dest)
+        except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
+            encoded = self.encode(_failure(exc), dest)
+        encoded.add_done_callback(lambda e: copy_outcome(e, reply))
+
+    def run(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
+        """Run ``func`` on a worker thread; an ``async_execution`` result is awaited."""
+        out: Future[Any] = Future()
+
+        def job() -> None:
+            try:
+                result = func(*args, **kwargs)
+                if not is_async_execution(func):
+                    out.set_result(result)
+                # Future.then() returns torch's C++ future type, so check by behaviour.
+                elif callable(getattr(result, "add_done_callback", None)):
+                    result.add_done_callback(lambda f: copy_outcome(f, out))
+                else:
+                    raise TypeError(
+                        f"{_name_of(func)} is decorated with @async_execution but returned "
+                        f"{type(result).__qualname__}, not a torch.futures.Future"
+                    )
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                fail(out, exc)
+
+        self.executor.submit(job)
+        return out
+
+    def close(self) -> None:
+        try:
+            self.agent.shutdown()
+        finally:
+            self.rrefs.close()
+            self.deadlines.stop()
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _name_of(func: object) -> str:
+    return getattr(func, "__qualname__", None) or repr(func)
+
+
+def _describe(request: tuple[object, ...]) -> str:
+    kind = request[0]
+    if kind in ("call", "remote"):
+        return f"{kind} {_name_of(request[1])}"
+    return f"{kind} RRef {request[1]}"
+
+
+_init_lock = threading.Lock()
+_state: _RpcState | None = None
+_init_counter = itertools.count()
+
+
+def _current() -> _RpcState:
+    state = _state
+    if state is None:
+        raise RuntimeError("RPC has not been initialized: call rpc_registry.init_rpc() first")
+    return state
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"name={name!r}: must be a str such as 'worker1'")
+    if len(name) >= _MAX_NAME_LENGTH or not _NAME_PATTERN.fullmatch(name):
+        raise ValueError(
+            f"name={name!r}: a worker name must be 1 to {_MAX_NAME_LENGTH - 1} characters, "
+            "each a letter, digit, '_', ':' or '-'"
+        )
+    return name
+
+
+def _choose_backend(backend: BackendType | None, options: RpcBackendOptions | None) -> BackendType:
+    if backend is not None:
+        return backend
+    if options is not None:
+        for candidate in BackendType:
+            try:
+                options_type = type(construct_rpc_backend_options(candidate))
+            except Exception as exc:  # noqa: BLE001 - that backend is just not a candidate
+                logger.debug("cannot build options of %r: %s", candidate, exc)
+                continue
+            if isinstance(options, options_type):
+                if candidate.name != "TENSORPIPE":
+                    logger.warning(
+                        "init_rpc: no backend given; using %r, whose options were passed", candidate
+                    )
+                return candidate
+        raise TypeError(
+            f"rpc_backend_options={options!r}: no registered backend builds options of type "
+            f"{type(options).__qualname__}; pass backend= explicitly"
+        )
+    default = _REGISTRY.get("TENSORPIPE")
+    if default is None:
+        raise RuntimeError(
+            "init_rpc: backend=None selects the default backend TENSORPIPE, which is not "
+            "installed; `pip install tensorpipe-backend`, or pass backend=BackendType.<NAME> "
+            "of a backend registered with register_backend()"
+        )
+    return default
+
+
+def _rendezvous(
+    options: RpcBackendOptions, rank: int, world_size: int | None
+) -> tuple[Store, int, int | None]:
+    url = options.init_method
+    scheme = urlparse(url).scheme
+    if world_size is None and scheme == "env" and os.environ.get("WORLD_SIZE"):
+        world_size = int(os.environ["WORLD_SIZE"])
+    if world_size is None:
+        if rank == -1 and scheme == "env" and os.environ.get("RANK"):
+            rank = int(os.environ["RANK"])
+        if rank < 0:
+            raise ValueError(
+                f"rank={rank}: a dynamic group (world_size=None) needs this worker's rank; "
+                "pass rank= (or set RANK for env://)"
+            )
+        # A store that does not wait for a fixed number of workers, as torch's dynamic RPC.
+        separator = "&" if "?" in url else "?"
+        store, rank, _ = next(rendezvous(f"{url}{separator}rank={rank}&world_size=-1"))
+    else:
+        store, rank, world_size = next(rendezvous(url, rank=rank, world_size=world_size))
+    if options.rpc_timeout > 0:
+        store.set_timeout(timedelta(seconds=options.rpc_timeout))
+    # Successive sessions of one process group use separate keys.
+    return PrefixStore(f"rpc_prefix_{next(_init_counter)}", store), rank, world_size
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def init_rpc(
+    name: str,
+    backend: BackendType | None = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: RpcBackendOptions | None = None,
+) -> None:
+    """Start RPC on this worker: rendezvous, create the backend's agent, serve requests.
+
+    ``backend`` defaults to the type of ``rpc_backend_options`` or, without
+    options, to ``BackendType.TENSORPIPE`` (``pip install tensorpipe-backend``).
+    ``world_size=None`` joins a dynamic group. Options default to the
+    backend's with ``init_method="env://"`` (``MASTER_ADDR``, ``MASTER_PORT``).
+
+    Example::
+
+        init_rpc("worker0", rank=0, world_size=2)
+        rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+        shutdown()
+    """
+    global _state
+    _check_name(name)
+    if backend is not None and not isinstance(backend, BackendType):
+        raise TypeError(f"backend={backend!r}: must be a member of BackendType, e.g. BackendType.TENSORPIPE")
+    if rpc_backend_options is not None and not isinstance(rpc_backend_options, RpcBackendOptions):
+        raise TypeError(
+            f"rpc_backend_options={rpc_backend_options!r}: must be backend options with "
+            "rpc_timeout and init_method, e.g. from construct_rpc_backend_options()"
+        )
+    if not _is_int(rank) or rank < -1:
+        raise ValueError(f"rank={rank!r}: must be an int >= 0, or -1 to read RANK (env://)")
+    if world_size is not None and (not _is_int(world_size) or world_size < 1):
+        raise ValueError(f"world_size={world_size!r}: must be an int >= 1, or None for a dynamic group")
+    if world_size is not None and rank >= world_size:
+        raise ValueError(f"rank={rank}: must be below world_size={world_size}")
+    with _init_lock:
+        if _state is not None:
+            raise RuntimeError("RPC is already initialized")
+        chosen = _choose_backend(backend, rpc_backend_options)
+        options = rpc_backend_options or construct_rpc_backend_options(chosen)
+        store, rank, world_size = _rendezvous(options, rank, world_size)
+        agent = init_backend(
+            chosen,
+            store=store,
+            name=name,
+            rank=rank,
+            world_size=world_size,
+            rpc_backend_options=options,
+        )
+        state = _RpcState(agent)
+        _rref.set_context(state.rrefs)
+        agent.start(state.handle)
+        _state = state
+    logger.info("RPC initialized: %s (rank %d) on backend %r", name, rank, chosen)
+
+
+def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Stop RPC on this worker.
+
+    With ``graceful=True`` it first releases this worker's RRefs and waits
+    until every worker has called ``shutdown`` (at most ``timeout`` seconds;
+    ``0`` waits without limit), so no request is left without a reply.
+    """
+    global _state
+    with _init_lock:
+        state = _current()
+        try:
+            if graceful:
+                state.rrefs.release_users()
+                state.rrefs.flush(timeout)
+                state.agent.join(shutdown=True, timeout=timeout)
+        finally:
+            _state = None
+            _rref.set_context(None)
+            state.close()
+
+
+def get_worker_info(name: str | None = None, *, worker_name: str | None = None) -> WorkerInfo:
+    """The :class:`WorkerInfo` of worker ``name``, or of this worker when it is None.
+
+    ``worker_name=`` (torch's spelling) is accepted as well.
+    """
+    if name is not None and worker_name is not None:
+        raise TypeError("get_worker_info(): give the worker as name= or as worker_name=, not both")
+    return _current().agent.get_worker_info(name if name is not None else worker_name)
+
+
+def _check_callable(func: object) -> None:
+    if not callable(func):
+        raise TypeError(f"func={func!r}: must be callable (a function importable by the callee)")
+
+
+def rpc_async(
+    to: WorkerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Future[T]:
+    """Run ``func(*args, **kwargs)`` on worker ``to``; the future holds its result.
+
+    ``timeout`` is in seconds: ``0`` waits without limit, ``-1`` uses the
+    agent's default. Functions decorated with ``@async_execution`` reply
+    when the future they return completes.
+    """
+    _check_callable(func)
+    state = _current()
+    request = ("call", func, tuple(args or ()), dict(kwargs or {}))
+    return state.request(state.worker(to), request, state.resolve_timeout(timeout))
+
+
+def rpc_sync(
+    to: WorkerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> T:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (see ``rpc_async``)."""
+    return rpc_async(to, func, args, kwargs, timeout).wait()
+
+
+def remote(
+    to: WorkerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef[T]:
+    """Run ``func`` on worker ``to`` and return an :class:`RRef` to the result it keeps.
+
+    Returns at once; a creation that fails or times out is reported by the
+    first ``to_here()``.
+    """
+    _check_callable(func)
+    state = _current()
+    return state.remote(
+        state.worker(to), func, tuple(args or ()), dict(kwargs or {}), state.resolve_timeout(timeout)
+    )

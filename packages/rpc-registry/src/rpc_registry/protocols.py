@@ -1,0 +1,160 @@
+"""The seam between the RPC API and its backends: Protocols and small values.
+
+A backend provides two handlers. The options handler builds an
+:class:`RpcBackendOptions`; the init handler takes a store from the rendezvous
+and returns an :class:`RpcAgent`. The agent only moves :class:`Message` objects
+between workers; everything else (pickling, RRef reference counting,
+``async_execution``, the meaning of timeouts) is done once by
+:mod:`rpc_registry.api` on top of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.distributed_c10d import Store
+from torch.futures import Future
+from typing_extensions import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker of the RPC group: its unique ``name`` and its ``id`` (the rank)."""
+
+    name: str
+    id: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """What an agent carries: a pickled ``payload`` and the ``tensors`` it refers to.
+
+    Tensors travel beside the payload so that a backend can move them without
+    copying them through pickle (and, for devices, with its own transport).
+    """
+
+    payload: bytes
+    tensors: tuple[torch.Tensor, ...] = ()
+
+
+RequestHandler = Callable[[WorkerInfo, Message], "Future[Message]"]
+"""Called by an agent for every incoming request; its future holds the reply.
+
+The future never completes with an error: failures of the called function are
+encoded in the reply ``Message``. An error means the request itself could not
+be handled, and the agent should report it to the caller as a transport error.
+"""
+
+
+@runtime_checkable
+class RpcBackendOptions(Protocol):
+    """Options every backend accepts (backends add their own fields)."""
+
+    @property
+    def rpc_timeout(self) -> float:
+        """Default timeout of a call in seconds (``0``: no timeout)."""
+        ...
+
+    @property
+    def init_method(self) -> str:
+        """URL for the rendezvous, e.g. ``env://`` or ``tcp://host:port``."""
+        ...
+
+
+class RpcAgent(Protocol):
+    """Moves messages between workers; returned by a backend's init handler.
+
+    Contract: the agent calls the request handler for the messages from one
+    peer in the order that peer sent them (as one TCP stream would), so that
+    reference-counting messages are never reordered. Calls to oneself never
+    reach the agent; the API handles them in process.
+    """
+
+    @property
+    def rpc_timeout(self) -> float:
+        """The default timeout in seconds that ``timeout=-1`` stands for."""
+        ...
+
+    def start(self, handler: RequestHandler) -> None:
+        """Begin delivering incoming requests to ``handler``."""
+        ...
+
+    def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
+        """The named worker's info, or this worker's when ``worker_name`` is None."""
+        ...
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        """All workers currently known to this agent, this one included."""
+        ...
+
+    def send(self, to: WorkerInfo, message: Message, timeout: float) -> Future[Message]:
+        """Send a request; the future holds the reply message.
+
+        ``timeout`` is in seconds, ``0`` meaning none. The API enforces it on
+        its side too; the agent may use it to drop the request's state.
+        """
+        ...
+
+    def sync(self) -> None:
+        """Block until every worker has called ``sync`` (a barrier)."""
+        ...
+
+    def join(self, shutdown: bool = False, timeout: float = 0) -> None:
+        """Wait until all workers are done sending; ``timeout=0`` waits without limit."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the agent and release its resources; no message is handled after."""
+        ...
+
+
+@runtime_checkable
+class ConstructRpcBackendOptionsHandler(Protocol):
+    """Builds a backend's options; every extra keyword must reach the options.
+
+    Handlers may declare their own keywords (``device_maps=None``, ...) after
+    the two that every backend takes.
+    """
+
+    def __call__(self, rpc_timeout: float, init_method: str, *args: Any, **kwargs: Any) -> RpcBackendOptions:
+        """Return the options for ``rpc_timeout`` and ``init_method`` plus ``kwargs``."""
+        ...
+
+
+@runtime_checkable
+class InitBackendHandler(Protocol):
+    """Creates the backend's agent once the rendezvous gave a store."""
+
+    def __call__(
+        self,
+        store: Store,
+        name: str,
+        rank: int,
+        world_size: int | None,
+        rpc_backend_options: RpcBackendOptions,
+    ) -> RpcAgent:
+        """Return a started-up agent for worker ``name`` (``world_size=None``: dynamic group)."""
+        ...
+
+
+@runtime_checkable
+class BackendPlugin(Protocol):
+    """What an entry point of group ``rpc_registry.backends`` gives (or returns when called)."""
+
+    @property
+    def name(self) -> str:
+        """The backend's name, e.g. ``"TENSORPIPE"``; it must equal the entry point's name."""
+        ...
+
+    @property
+    def construct_rpc_backend_options_handler(self) -> ConstructRpcBackendOptionsHandler:
+        """The backend's options handler."""
+        ...
+
+    @property
+    def init_backend_handler(self) -> InitBackendHandler:
+        """The backend's init handler."""
+        ...

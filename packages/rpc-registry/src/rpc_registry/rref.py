@@ -1,0 +1,471 @@
+"""Remote references with reference counting, independent of the backend.
+
+The owner of a value keeps it while any user holds a reference. Every user
+reference is a *fork* registered with the owner; when a user's ``RRef`` is
+garbage collected its fork is deleted on the owner, and the owner frees the
+value once no fork and no local ``RRef`` is left.
+
+Before an ``RRef`` is sent to a third worker, the new fork is registered with
+the owner, so the owner always knows a fork before anyone can use or delete
+it. Agents deliver the messages of one peer in order, which keeps a fork's
+creation ahead of its deletion.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+from torch.futures import Future
+from typing_extensions import Protocol
+
+from .functions import async_execution, is_async_execution
+from .protocols import WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RRef"]
+
+T = TypeVar("T")
+RRefId = tuple[int, int]
+ForkId = tuple[int, int]
+WireRRef = tuple[WorkerInfo, RRefId, ForkId | None]
+
+
+class RRefRuntime(Protocol):
+    """What RRefs need from the RPC layer (implemented in :mod:`rpc_registry.api`)."""
+
+    @property
+    def me(self) -> WorkerInfo:
+        """This worker."""
+        ...
+
+    def resolve_timeout(self, timeout: float) -> float:
+        """Seconds to wait for ``timeout`` (``-1``: the agent's default; ``0``: none)."""
+        ...
+
+    def request(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Future[Any]:
+        """Send an internal request; the future holds the decoded reply."""
+        ...
+
+    def remote(
+        self,
+        to: WorkerInfo,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float,
+    ) -> RRef[Any]:
+        """Run ``func`` on ``to`` and return a reference to its result."""
+        ...
+
+
+def wait_for(fut: Future[T], timeout: float, what: str) -> T:
+    """``fut``'s value, waiting at most ``timeout`` seconds (``0``: no limit)."""
+    if timeout > 0 and not fut.done():
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout):
+            raise TimeoutError(f"{what}: not done within {timeout:g} s; pass a larger timeout, or 0 for none")
+    return fut.wait()
+
+
+def completed(value: T) -> Future[T]:
+    """A future that already holds ``value``."""
+    fut: Future[T] = Future()
+    fut.set_result(value)
+    return fut
+
+
+def fail(fut: Future[Any], exc: BaseException) -> None:
+    """Complete ``fut`` with the error ``exc``."""
+    fut.set_exception(exc)
+
+
+def copy_outcome(src: Future[T], dst: Future[T]) -> None:
+    """Complete ``dst`` with ``src``'s value or error (keeping the error's type)."""
+    try:
+        value = src.value()
+    except Exception as exc:  # noqa: BLE001 - the error is handed on, not swallowed
+        fail(dst, exc)
+    else:
+        dst.set_result(value)
+
+
+@dataclass
+class _Owned:
+    value: Future[Any]
+    forks: set[ForkId] = field(default_factory=set)
+    local_refs: int = 0
+
+
+_Task = tuple[Literal["user"], WorkerInfo, RRefId, ForkId] | tuple[Literal["owner"], RRefId]
+
+
+class RRefContext:
+    """One worker's RRef bookkeeping: the values it owns and the forks it holds."""
+
+    def __init__(self, runtime: RRefRuntime) -> None:
+        self.runtime = runtime
+        self.me = runtime.me
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._owned: dict[RRefId, _Owned] = {}
+        self._users: weakref.WeakValueDictionary[ForkId, RRef[Any]] = weakref.WeakValueDictionary()
+        # RRef.__del__ may run inside any frame, even one holding an agent's or
+        # this context's lock, so releases are queued to a thread of their own.
+        self._tasks: queue.SimpleQueue[_Task | threading.Event | None] = queue.SimpleQueue()
+        self._in_flight: list[Future[Any]] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="rpc-registry-rref", daemon=True)
+        self._thread.start()
+
+    def new_id(self) -> tuple[int, int]:
+        """A globally unique id: this worker's id and a local counter."""
+        return (self.me.id, next(self._ids))
+
+    # Owner side.
+    def create_owned(self, rref_id: RRefId, fork_id: ForkId | None) -> Future[Any]:
+        """Start owning ``rref_id`` for one user fork or, with ``fork_id=None``, a local RRef."""
+        entry = _Owned(Future())
+        if fork_id is None:
+            entry.local_refs = 1
+        else:
+            entry.forks.add(fork_id)
+        with self._lock:
+            self._owned[rref_id] = entry
+        return entry.value
+
+    def add_fork(self, rref_id: RRefId, fork_id: ForkId) -> None:
+        """Record a new user of ``rref_id``."""
+        with self._lock:
+            self._entry_locked(rref_id).forks.add(fork_id)
+
+    def delete_fork(self, rref_id: RRefId, fork_id: ForkId) -> None:
+        """Forget a user of ``rref_id``; free the value when it was the last reference."""
+        with self._lock:
+            entry = self._entry_locked(rref_id)
+            entry.forks.discard(fork_id)
+            self._maybe_free_locked(rref_id, entry)
+
+    def value_of(self, rref_id: RRefId) -> Future[Any]:
+        """The future of an owned value."""
+        with self._lock:
+            return self._entry_locked(rref_id).value
+
+    def owned_count(self) -> int:
+        """How many values this worker owns now."""
+        with self._lock:
+            return len(self._owned)
+
+    def _entry_locked(self, rref_id: RRefId) -> _Owned:
+        entry = self._owned.get(rref_id)
+        if entry is None:
+            raise LookupError(
+                f"RRef {rref_id} is not owned by {self.me.name} (any more): "
+                "its last reference was already released"
+            )
+        return entry
+
+    def _maybe_free_locked(self, rref_id: RRefId, entry: _Owned) -> None:
+        if not entry.forks and entry.local_refs == 0:
+            del self._owned[rref_id]
+            logger.debug("%s released the value of RRef %s", self.me.name, rref_id)
+
+    # Wire format.
+    def to_wire(
+        self, rref: RRef[Any], dest: WorkerInfo, forks: list[tuple[WorkerInfo, RRefId, ForkId]]
+    ) -> WireRRef:
+        """Describe ``rref`` for ``dest``; forks to register with other owners go to ``forks``."""
+        if rref._ctx is not self:
+            raise RuntimeError(f"{rref!r} belongs to an RPC session that was shut down")
+        if dest == rref._owner:
+            # The sender's reference outlives the send, and the owner handles
+            # this message before any later deletion from the sender.
+            return (rref._owner, rref._rref_id, None)
+        fork_id = self.new_id()
+        if rref._owner == self.me:
+            self.add_fork(rref._rref_id, fork_id)
+        else:
+            forks.append((rref._owner, rref._rref_id, fork_id))
+        return (rref._owner, rref._rref_id, fork_id)
+
+    def from_wire(self, wire: WireRRef) -> RRef[Any]:
+        """Rebuild an RRef that arrived in a message."""
+        owner, rref_id, fork_id = wire
+        if owner == self.me:
+            with self._lock:
+                entry = self._entry_locked(rref_id)
+                entry.local_refs += 1
+                if fork_id is not None:
+                    entry.forks.discard(fork_id)
+            return RRef._make(self, owner, rref_id, None, None)
+        if fork_id is None:
+            raise RuntimeError(f"RRef {rref_id} of {owner.name} arrived without a fork id")
+        return self.track_user(RRef._make(self, owner, rref_id, fork_id, None))
+
+    # User side.
+    def track_user(self, rref: RRef[T]) -> RRef[T]:
+        """Remember a user RRef so that shutdown can release it."""
+        assert rref._fork_id is not None
+        self._users[rref._fork_id] = rref
+        return rref
+
+    def released(self, rref: RRef[Any]) -> None:
+        """Called from ``RRef.__del__``: queue the release of its reference."""
+        if self._closed:
+            return
+        if rref._fork_id is None:
+            self._tasks.put(("owner", rref._rref_id))
+        else:
+            self._tasks.put(("user", rref._owner, rref._rref_id, rref._fork_id))
+
+    def release_users(self) -> None:
+        """Release every user RRef still alive (graceful shutdown)."""
+        for rref in list(self._users.values()):
+            if not rref._released:
+                rref._released = True
+                self.released(rref)
+
+    def flush(self, timeout: float) -> None:
+        """Wait until queued releases reached their owners (``timeout=0``: no limit)."""
+        marker = threading.Event()
+        self._tasks.put(marker)
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        if not marker.wait(timeout if timeout > 0 else None):
+            raise TimeoutError(f"RRef releases of {self.me.name}: not sent within {timeout:g} s")
+        with self._lock:
+            in_flight, self._in_flight = self._in_flight, []
+        for fut in in_flight:
+            left = 0.0 if deadline is None else max(deadline - time.monotonic(), 1e-3)
+            try:
+                wait_for(fut, left, f"release of an RRef by {self.me.name}")
+            except Exception as exc:  # noqa: BLE001 - shutdown goes on; the owner keeps the value
+                logger.warning("%s: an RRef release failed: %s", self.me.name, exc)
+
+    def close(self) -> None:
+        """Stop the release thread; later releases are dropped."""
+        self._closed = True
+        self._tasks.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            if isinstance(task, threading.Event):
+                task.set()
+                continue
+            try:
+                self._release(task)
+            except Exception as exc:  # noqa: BLE001 - this thread must outlive one bad release
+                logger.warning("%s: could not release an RRef: %s", self.me.name, exc)
+            # The loop's frame must not keep the last task's objects (and values) alive.
+            del task
+
+    def _release(self, task: _Task) -> None:
+        if task[0] == "owner":
+            with self._lock:
+                entry = self._owned.get(task[1])
+                if entry is not None:
+                    entry.local_refs -= 1
+                    self._maybe_free_locked(task[1], entry)
+            return
+        _, owner, rref_id, fork_id = task
+        fut = self.runtime.request(owner, ("delete", rref_id, fork_id), self.runtime.resolve_timeout(-1))
+        with self._lock:
+            self._in_flight = [f for f in self._in_flight if not f.done()]
+            self._in_flight.append(fut)
+
+
+_CONTEXT: RRefContext | None = None
+
+
+def _context() -> RRefContext:
+    if _CONTEXT is None:
+        raise RuntimeError("RPC has not been initialized: call rpc_registry.init_rpc() first")
+    return _CONTEXT
+
+
+def set_context(ctx: RRefContext | None) -> None:
+    """Install the context of the running RPC session (``None`` after shutdown)."""
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+class RRef(Generic[T]):
+    """A reference to a value owned by one worker of the RPC group.
+
+    ``RRef(value)`` makes this worker the owner of ``value``; ``remote()``
+    returns RRefs owned by other workers. The owner frees the value once no
+    worker holds a reference to it.
+
+    Example::
+
+        rref = remote("worker1", torch.add, args=(torch.ones(2), 1))
+        rref.to_here()                      # tensor([2., 2.])
+        rref.rpc_sync().size()              # runs Tensor.size on worker1
+    """
+
+    __slots__ = ("__weakref__", "_created", "_ctx", "_fork_id", "_owner", "_released", "_rref_id")
+
+    _ctx: RRefContext
+    _owner: WorkerInfo
+    _rref_id: RRefId
+    _fork_id: ForkId | None
+    _created: Future[Any] | None
+    _released: bool
+
+    def __init__(self, value: T) -> None:
+        ctx = _context()
+        rref_id = ctx.new_id()
+        ctx.create_owned(rref_id, None).set_result(value)
+        self._init(ctx, ctx.me, rref_id, None, None)
+
+    def _init(
+        self,
+        ctx: RRefContext,
+        owner: WorkerInfo,
+        rref_id: RRefId,
+        fork_id: ForkId | None,
+        created: Future[Any] | None,
+    ) -> None:
+        self._ctx = ctx
+        self._owner = owner
+        self._rref_id = rref_id
+        self._fork_id = fork_id
+        self._created = created
+        self._released = False
+
+    @classmethod
+    def _make(
+        cls,
+        ctx: RRefContext,
+        owner: WorkerInfo,
+        rref_id: RRefId,
+        fork_id: ForkId | None,
+        created: Future[Any] | None,
+    ) -> RRef[Any]:
+        rref: RRef[Any] = cls.__new__(cls)
+        rref._init(ctx, owner, rref_id, fork_id, created)
+        return rref
+
+    def owner(self) -> WorkerInfo:
+        """The worker that owns the value."""
+        return self._owner
+
+    def owner_name(self) -> str:
+        """The name of the worker that owns the value."""
+        return self._owner.name
+
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._fork_id is None
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner has acknowledged this reference."""
+        created = self._created
+        if created is None:
+            return True
+        if not created.done():
+            return False
+        try:
+            created.value()
+        except Exception:  # noqa: BLE001 - any failure means "not confirmed"
+            return False
+        return True
+
+    def local_value(self) -> T:
+        """The value itself; only on the owner."""
+        if not self.is_owner():
+            raise RuntimeError(
+                f"{self!r}.local_value(): the value lives on {self._owner.name}, not on "
+                f"{self._ctx.me.name}; call to_here() to fetch a copy"
+            )
+        timeout = self._ctx.runtime.resolve_timeout(-1)
+        value: T = wait_for(self._ctx.value_of(self._rref_id), timeout, f"value of {self!r}")
+        return value
+
+    def to_here(self, timeout: float = -1.0) -> T:
+        """A copy of the value, fetched from the owner (``timeout``: ``-1`` default, ``0`` none)."""
+        runtime = self._ctx.runtime
+        seconds = runtime.resolve_timeout(timeout)
+        if self.is_owner():
+            value: T = wait_for(self._ctx.value_of(self._rref_id), seconds, f"value of {self!r}")
+            return value
+        if self._created is not None and self._created.done():
+            self._created.wait()  # a failed creation is reported here, as torch does
+        fetched: T = runtime.request(self._owner, ("fetch", self._rref_id), seconds).wait()
+        return fetched
+
+    def rpc_sync(self, timeout: float = -1.0) -> RRefProxy:
+        """Proxy whose methods run ``rpc_sync`` of the value's method on the owner."""
+        return RRefProxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = -1.0) -> RRefProxy:
+        """Proxy whose methods run ``rpc_async`` of the value's method on the owner."""
+        return RRefProxy(self, "async", timeout)
+
+    def remote(self, timeout: float = -1.0) -> RRefProxy:
+        """Proxy whose methods run ``remote`` of the value's method on the owner."""
+        return RRefProxy(self, "remote", timeout)
+
+    def __repr__(self) -> str:
+        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
+        return f"{kind}(owner={self._owner.name!r}, id={self._rref_id})"
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"{self!r} can only be pickled by the RPC layer, as an argument or result of "
+            "rpc_sync, rpc_async or remote"
+        )
+
+    def __del__(self) -> None:
+        try:
+            if not self._released:
+                self._released = True
+                self._ctx.released(self)
+        except AttributeError:  # __init__ failed before the fields were set
+            pass
+
+
+class RRefProxy:
+    """Calls methods of an RRef's value on its owner; returned by ``RRef.rpc_sync()`` & co."""
+
+    def __init__(self, rref: RRef[Any], mode: Literal["sync", "async", "remote"], timeout: float):
+        self._rref = rref
+        self._mode = mode
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        rref, mode, timeout = self._rref, self._mode, self._timeout
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            runtime = rref._ctx.runtime
+            seconds = runtime.resolve_timeout(timeout)
+            payload = (_invoke_rref_method, (rref, name, *args), kwargs)
+            if mode == "remote":
+                return runtime.remote(rref._owner, *payload, seconds)
+            fut = runtime.request(rref._owner, ("call", *payload), seconds)
+            return fut.wait() if mode == "sync" else fut
+
+        return call
+
+
+@async_execution
+def _invoke_rref_method(rref: RRef[Any], name: str, *args: Any, **kwargs: Any) -> Future[Any]:
+    method = getattr(rref.local_value(), name)
+    if is_async_execution(method):
+        result: Future[Any] = method(*args, **kwargs)
+        return result
+    return completed(method(*args, **kwargs))

@@ -1,0 +1,228 @@
+"""The RPC API across three processes: this one (w0) and two spawned workers."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import multiprocessing
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import cast
+
+import pytest
+import torch
+from rpcreg_socket_agent import (
+    SocketOptions,
+    Tracked,
+    add_one_on,
+    drop_held,
+    fetch_held,
+    hold,
+    live_tracked,
+    local_value_if_owner,
+    make_tracked,
+    pid,
+    raise_value_error,
+    run_worker,
+    sleep_then,
+    socket_backend,
+    value_via_to_here,
+)
+
+from rpc_registry import (
+    RRef,
+    WorkerInfo,
+    get_worker_info,
+    init_rpc,
+    remote,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _eventually(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster() -> Iterator[None]:
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    context = multiprocessing.get_context("spawn")
+    workers = [
+        context.Process(target=run_worker, args=(f"w{rank}", rank, 3, init_method), daemon=True)
+        for rank in (1, 2)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        init_rpc(
+            "w0",
+            backend=socket_backend(),
+            rank=0,
+            world_size=3,
+            rpc_backend_options=SocketOptions(rpc_timeout=20.0, init_method=init_method),
+        )
+        yield
+        shutdown(graceful=True, timeout=30.0)
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=5)
+    assert [w.exitcode for w in workers] == [0, 0]
+
+
+@pytest.fixture(autouse=True)
+def no_tracked_values_left() -> Iterator[None]:
+    yield
+    gc.collect()
+    for name in ("w1", "w2"):
+        _eventually(functools.partial(_holds_nothing, name), f"{name} freed its values")
+
+
+def _holds_nothing(worker: str) -> bool:
+    return rpc_sync(worker, live_tracked) == 0
+
+
+def test_rpc_sync_runs_function_in_other_process() -> None:
+    assert rpc_sync("w1", pid) != os.getpid()
+    result = rpc_sync("w1", torch.add, args=(torch.ones(2), 1))
+    assert torch.equal(result, torch.full((2,), 2.0))
+
+
+def test_rpc_async_future_holds_result() -> None:
+    futures = [rpc_async(f"w{i}", sleep_then, args=(0.05, i)) for i in (1, 2)]
+    assert [f.wait() for f in futures] == [1, 2]
+
+
+def test_worker_can_be_named_by_worker_info_or_id() -> None:
+    assert rpc_sync(get_worker_info("w2"), pid) == rpc_sync(2, pid)
+
+
+def test_call_to_self_runs_in_this_process() -> None:
+    assert rpc_sync("w0", pid) == os.getpid()
+
+
+def test_remote_exception_reaches_caller_with_its_type() -> None:
+    with pytest.raises(ValueError, match="boom"):
+        rpc_sync("w1", raise_value_error, args=("boom",))
+
+
+def test_call_exceeding_timeout_raises_timeout_error() -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no reply within 0.3 s"):
+        rpc_sync("w1", sleep_then, args=(2.0, 1), timeout=0.3)
+    assert time.monotonic() - start < 1.5
+
+
+def test_timeout_zero_waits_without_limit() -> None:
+    assert rpc_sync("w1", sleep_then, args=(0.3, 7), timeout=0) == 7
+
+
+def test_negative_timeout_other_than_minus_one_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"timeout=-2"):
+        rpc_sync("w1", pid, timeout=-2)
+
+
+def test_get_worker_info_knows_every_worker() -> None:
+    assert get_worker_info() == WorkerInfo("w0", 0)
+    assert get_worker_info("w2") == WorkerInfo("w2", 2)
+    assert get_worker_info(name="w2") == get_worker_info(worker_name="w2") == WorkerInfo("w2", 2)
+
+
+def test_init_rpc_twice_raises_already_initialized() -> None:
+    with pytest.raises(RuntimeError, match="RPC is already initialized"):
+        init_rpc("w0", backend=socket_backend(), rank=0, world_size=3)
+
+
+def test_async_execution_replies_when_returned_future_completes() -> None:
+    # The reply is the future's value; rpc_sync's static type cannot tell.
+    result = cast(torch.Tensor, rpc_sync("w1", add_one_on, args=("w2", torch.ones(2))))
+    assert torch.equal(result, torch.full((2,), 4.0))
+
+
+def test_remote_value_lives_on_owner() -> None:
+    rref = remote("w1", make_tracked, args=(5,))
+    assert (rref.owner_name(), rref.owner(), rref.is_owner()) == ("w1", WorkerInfo("w1", 1), False)
+    assert rref.to_here().value == 5
+    assert rref.confirmed_by_owner()
+    assert rpc_sync("w1", live_tracked) == 1
+
+
+def test_local_value_on_a_user_raises_and_names_the_owner() -> None:
+    rref = remote("w1", make_tracked, args=(1,))
+    with pytest.raises(RuntimeError, match=r"lives on w1.*to_here"):
+        rref.local_value()
+
+
+def test_failed_remote_creation_is_raised_by_to_here() -> None:
+    rref: RRef[None] = remote("w1", raise_value_error, args=("no value",))
+    with pytest.raises(ValueError, match="no value"):
+        rref.to_here()
+
+
+def test_owner_releases_value_after_last_user_reference() -> None:
+    rref = remote("w1", make_tracked, args=(3,))
+    rref.to_here()
+    assert rpc_sync("w1", live_tracked) == 1
+    del rref
+    gc.collect()
+    _eventually(lambda: rpc_sync("w1", live_tracked) == 0, "w1 freed the value")
+
+
+def test_owner_keeps_value_while_a_forked_user_holds_it() -> None:
+    rref = remote("w1", make_tracked, args=(9,))
+    assert rpc_sync("w2", hold, args=(rref,)) is False
+    del rref
+    gc.collect()
+    time.sleep(0.5)  # time for this worker's release to reach w1
+    assert rpc_sync("w1", live_tracked) == 1
+    assert rpc_sync("w2", fetch_held) == 9
+    rpc_sync("w2", drop_held)
+    _eventually(lambda: rpc_sync("w1", live_tracked) == 0, "w1 freed the value")
+
+
+def test_rref_sent_back_to_owner_is_the_local_value_there() -> None:
+    rref = remote("w1", make_tracked, args=(4,))
+    assert rpc_sync("w1", local_value_if_owner, args=(rref,)) == 4
+
+
+def test_rref_returned_by_owner_keeps_value_alive_for_caller() -> None:
+    rref: RRef[RRef[Tracked]] = remote("w2", remote, args=("w1", make_tracked, (6,)))
+    inner = rref.to_here()
+    del rref
+    gc.collect()
+    assert inner.owner_name() == "w1"
+    assert inner.to_here().value == 6
+
+
+def test_rref_proxies_call_methods_of_the_value_on_owner() -> None:
+    rref = remote("w1", make_tracked, args=(5,))
+    assert rref.rpc_sync().add(2) == 7
+    assert rref.rpc_async().get().wait() == 7
+    assert rref.remote().get().to_here() == 7
+
+
+def test_local_rref_is_owned_here() -> None:
+    value = Tracked(2)
+    rref = RRef(value)
+    assert rref.is_owner() and rref.local_value() is value
+    assert rref.owner() == get_worker_info()
+    assert rpc_sync("w1", value_via_to_here, args=(rref,)) == 2

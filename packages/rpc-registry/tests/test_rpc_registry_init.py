@@ -1,0 +1,155 @@
+"""init_rpc's argument checks, rendezvous methods and timeout meaning, in one process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+from rpcreg_socket_agent import SocketOptions, Tracked, sleep_then, socket_backend
+
+from rpc_registry import (
+    RRef,
+    WorkerInfo,
+    backend_registered,
+    get_worker_info,
+    init_rpc,
+    remote,
+    rpc_sync,
+    shutdown,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def tcp() -> str:
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
+@pytest.fixture
+def solo(tcp: str) -> Iterator[None]:
+    """A one-worker session whose agent default timeout is 0.3 s."""
+    options = SocketOptions(rpc_timeout=0.3, init_method=tcp)
+    init_rpc("solo", backend=socket_backend(), rank=0, world_size=1, rpc_backend_options=options)
+    yield
+    shutdown(timeout=10.0)
+
+
+@pytest.mark.parametrize("name", ["has space", "", "a" * 128, "é"])
+def test_init_rpc_rejects_invalid_worker_name(name: str) -> None:
+    with pytest.raises(ValueError, match=r"name=.*letter, digit, '_', ':' or '-'"):
+        init_rpc(name, backend=socket_backend(), rank=0, world_size=1)
+
+
+def test_init_rpc_rejects_backend_that_is_not_a_member() -> None:
+    with pytest.raises(TypeError, match=r"backend='SOCKET_TEST': must be a member of BackendType"):
+        init_rpc("w0", backend="SOCKET_TEST", rank=0, world_size=1)  # type: ignore[arg-type]
+
+
+def test_init_rpc_rejects_options_without_timeout_and_init_method() -> None:
+    with pytest.raises(TypeError, match=r"rpc_backend_options=\{\}"):
+        init_rpc("w0", backend=socket_backend(), rpc_backend_options={})  # type: ignore[arg-type]
+
+
+def test_init_rpc_rejects_rank_outside_world_size() -> None:
+    with pytest.raises(ValueError, match=r"rank=2: must be below world_size=2"):
+        init_rpc("w0", backend=socket_backend(), rank=2, world_size=2)
+
+
+def test_init_rpc_rejects_non_positive_world_size() -> None:
+    with pytest.raises(ValueError, match=r"world_size=0"):
+        init_rpc("w0", backend=socket_backend(), rank=0, world_size=0)
+
+
+def test_init_rpc_without_installed_backend_says_which_to_install() -> None:
+    if backend_registered("TENSORPIPE"):
+        pytest.skip("a TENSORPIPE backend is installed in this environment")
+    with pytest.raises(RuntimeError, match=r"pip install tensorpipe-backend"):
+        init_rpc("w0", rank=0, world_size=1)
+
+
+def test_init_rpc_rejects_options_no_backend_builds() -> None:
+    class ForeignOptions:
+        rpc_timeout = 1.0
+        init_method = "env://"
+
+    with pytest.raises(TypeError, match=r"no registered backend builds options of type .*ForeignOptions"):
+        init_rpc("w0", rank=0, world_size=1, rpc_backend_options=ForeignOptions())
+
+
+def test_rpc_before_init_says_to_call_init_rpc() -> None:
+    with pytest.raises(RuntimeError, match=r"call rpc_registry.init_rpc\(\) first"):
+        rpc_sync("w1", sleep_then, args=(0, 1))
+
+
+def test_init_rpc_infers_backend_from_options_over_env_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    socket_backend()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    init_rpc("envworker", rpc_backend_options=SocketOptions(rpc_timeout=5.0, init_method="env://"))
+    try:
+        assert get_worker_info() == WorkerInfo("envworker", 0)
+        assert rpc_sync("envworker", os.getpid) == os.getpid()
+    finally:
+        shutdown(timeout=10.0)
+
+
+def test_dynamic_group_starts_without_world_size(tcp: str) -> None:
+    options = SocketOptions(rpc_timeout=5.0, init_method=tcp)
+    init_rpc("dyn", backend=socket_backend(), rank=0, world_size=None, rpc_backend_options=options)
+    try:
+        assert rpc_sync("dyn", sleep_then, args=(0, 3)) == 3
+    finally:
+        shutdown(timeout=10.0)
+
+
+def test_dynamic_group_needs_a_rank(tcp: str) -> None:
+    options = SocketOptions(rpc_timeout=5.0, init_method=tcp)
+    with pytest.raises(ValueError, match=r"rank=-1: a dynamic group"):
+        init_rpc("dyn", backend=socket_backend(), world_size=None, rpc_backend_options=options)
+
+
+@pytest.mark.usefixtures("solo")
+def test_timeout_minus_one_means_the_agent_default() -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no reply within 0.3 s"):
+        rpc_sync("solo", sleep_then, args=(1.0, 1))
+    assert time.monotonic() - start < 0.9
+
+
+@pytest.mark.usefixtures("solo")
+def test_timeout_zero_means_no_timeout() -> None:
+    assert rpc_sync("solo", sleep_then, args=(0.5, 2), timeout=0) == 2
+
+
+@pytest.mark.usefixtures("solo")
+def test_remote_to_self_gives_an_owner_rref() -> None:
+    rref: RRef[Tracked] = remote("solo", Tracked, args=(8,))
+    assert rref.is_owner() and rref.confirmed_by_owner()
+    assert rref.local_value().value == 8 and rref.to_here().value == 8
+
+
+def test_shutdown_allows_a_new_session(tcp: str) -> None:
+    options = SocketOptions(rpc_timeout=5.0, init_method=tcp)
+    init_rpc("first", backend=socket_backend(), rank=0, world_size=1, rpc_backend_options=options)
+    shutdown(timeout=10.0)
+    with pytest.raises(RuntimeError, match="init_rpc"):
+        get_worker_info()
+    options = SocketOptions(rpc_timeout=5.0, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    init_rpc("second", backend=socket_backend(), rank=0, world_size=1, rpc_backend_options=options)
+    try:
+        assert get_worker_info().name == "second"
+    finally:
+        shutdown(timeout=10.0)

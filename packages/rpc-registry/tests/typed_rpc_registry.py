@@ -1,0 +1,53 @@
+"""Static types of the public surface, checked by mypy (not run by pytest)."""
+
+from __future__ import annotations
+
+import torch
+from rpcreg_socket_agent import construct_options, init_agent
+from torch.futures import Future
+from typing_extensions import assert_type
+
+from rpc_registry import (
+    BackendType,
+    BackendValue,
+    RpcBackendOptions,
+    RRef,
+    WorkerInfo,
+    construct_rpc_backend_options,
+    get_worker_info,
+    register_backend,
+    remote,
+    rpc_async,
+    rpc_sync,
+)
+from rpc_registry.functions import async_execution
+
+
+def check_registry() -> None:
+    member = register_backend("TYPED", construct_options, init_agent)
+    assert_type(member, BackendType)
+    assert_type(BackendType.TYPED, BackendType)
+    assert_type(BackendType["TYPED"], BackendType)
+    assert_type(list(BackendType), list[BackendType])
+    assert_type(member.value, BackendValue)
+    assert_type(construct_rpc_backend_options(member, devices=["cpu"]), RpcBackendOptions)
+
+
+def check_api() -> None:
+    assert_type(rpc_sync("w1", torch.add, args=(torch.ones(1), 1)), torch.Tensor)
+    assert_type(rpc_async("w1", torch.add, args=(torch.ones(1), 1)), Future[torch.Tensor])
+    rref = remote("w1", torch.ones, args=(2,))
+    assert_type(rref, RRef[torch.Tensor])
+    assert_type(rref.to_here(), torch.Tensor)
+    assert_type(rref.owner(), WorkerInfo)
+    assert_type(get_worker_info(), WorkerInfo)
+
+
+@async_execution
+def later(x: int) -> Future[int]:
+    fut: Future[int] = Future()
+    fut.set_result(x)
+    return fut
+
+
+assert_type(later(1), Future[int])
