@@ -186,15 +186,16 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         sizes: dict[torch.dtype, int] = {}
         for param in reversed(self._params):
             current = open_group.get(param.dtype)
-            limit = FIRST_BUCKET_BYTES if not groups or current is groups[0] else cap_bytes
-            nbytes = param.numel() * param.element_size()
-            if current is None or (current and sizes[param.dtype] + nbytes > limit):
-                current = []
+            if current is None:
+                current = open_group[param.dtype] = []
                 groups.append(current)
-                open_group[param.dtype] = current
                 sizes[param.dtype] = 0
             current.append(param)
-            sizes[param.dtype] += nbytes
+            sizes[param.dtype] += param.numel() * param.element_size()
+            # A bucket closes once it reaches its cap, so a large gradient
+            # starts reducing as soon as it is ready.
+            if sizes[param.dtype] >= (FIRST_BUCKET_BYTES if current is groups[0] else cap_bytes):
+                del open_group[param.dtype]
         self._meta_len = 1 + self._world_size + (len(self._params) if self.find_unused_parameters else 0)
         self._meta_rides = groups[0][0].dtype in _EXACT_COUNT_DTYPES
         buckets = []
@@ -411,12 +412,12 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             bucket, position = self._where[index]
             if not bucket.ready[position]:
                 self._grad_ready(index, None)
-        total = self._complete(training=True)
+        total = self._complete()
         self._reset_iteration()
         if total is not None:
             Join.heartbeat_result(self, total)
 
-    def _complete(self, training: bool) -> float | None:
+    def _complete(self) -> float | None:
         """Wait for every bucket, write gradients, remember which rank's
         buffers to take next; return the carried heartbeat, if any."""
         results = []
@@ -437,21 +438,26 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             else [True] * len(self._params)
         )
         for bucket, result in zip(self._buckets, results):
-            grads = result[bucket.meta_len :] if self._rides(bucket) else result
-            if grads.data_ptr() != bucket.grads.data_ptr():
-                bucket.grads.copy_(grads)
-            if self._comm_hook is None or self._rides(bucket):
-                bucket.grads.div_(divisor)
+            rides = self._rides(bucket)
+            grads = result[bucket.meta_len :] if rides else result
+            scale = divisor if self._comm_hook is None or rides else 1  # hooks divide themselves
+            if self.gradient_as_bucket_view:
+                if grads.data_ptr() != bucket.grads.data_ptr():
+                    bucket.grads.copy_(grads)
+                if scale != 1:
+                    bucket.grads.div_(scale)
             for position, param in enumerate(bucket.params):
                 if not used[self._param_index[id(param)]]:
                     continue  # no rank used it: .grad stays as it was
-                view = bucket.grad_view(position)
                 if self.gradient_as_bucket_view:
-                    param.grad = view
-                elif param.grad is None or not training:
-                    param.grad = view.clone()
+                    param.grad = bucket.grad_view(position)
+                    continue
+                offset = bucket.offsets[position]
+                reduced = grads[offset : offset + param.numel()].view_as(param)
+                if param.grad is None:
+                    param.grad = reduced / scale
                 else:
-                    param.grad.copy_(view)
+                    torch.div(reduced, scale, out=param.grad)
         if meta.numel():
             active = (meta[1 : 1 + self._world_size] > 0).nonzero()
             if active.numel():
@@ -545,7 +551,7 @@ class _DDPJoinHook(JoinHook):
                 return  # every rank has joined: nobody reduces the other buckets
         for bucket in ddp._buckets[1:]:
             ddp._launch(bucket, training=False)
-        ddp._complete(training=False)
+        ddp._complete()
         ddp._reset_iteration()
 
     def abort_hook(self) -> None:
@@ -558,7 +564,7 @@ class _DDPJoinHook(JoinHook):
             bucket, position = ddp._where[index]
             if not bucket.ready[position]:
                 ddp._grad_ready(index, None)
-        total = ddp._complete(training=False)
+        total = ddp._complete()
         ddp._reset_iteration()
         if total is not None:
             Join.heartbeat_result(ddp, total)
