@@ -207,18 +207,38 @@ class Join:
         return self._last_total
 
     def _abort(self, exc: Exception) -> None:
+        """Tell the other ranks this one failed, within ABORT_TIMEOUT.
+
+        The hooks' collectives run on a helper thread so that a peer that
+        never answers cannot hold this rank: after the timeout it leaves with
+        its own exception all the same."""
         self._state = _State.ABORTING
-        try:
-            for hook in self._hooks:
-                hook.abort_hook()
-                if self._last_total is not None and self._last_total < 0:
-                    break  # an interrupted iteration already carried the news
-            else:
-                # The failing rank's signal outweighs every training rank's.
-                self._beat(ABORT_TIMEOUT)
-            self._agree_on_abort(f"{type(exc).__name__}: {exc}")
-        except Exception as failure:  # noqa: BLE001 - the original exception matters more
-            logger.error("rank %d could not tell the other ranks that it failed: %s", self._rank, failure)
+        finished = threading.Event()
+
+        def protocol() -> None:
+            try:
+                if self._device.type == "cuda":
+                    torch.cuda.set_device(self._device)
+                for hook in self._hooks:
+                    hook.abort_hook()
+                    if self._last_total is not None and self._last_total < 0:
+                        break  # an interrupted iteration already carried the news
+                else:
+                    # The failing rank's signal outweighs every training rank's.
+                    self._beat(ABORT_TIMEOUT)
+                self._agree_on_abort(f"{type(exc).__name__}: {exc}")
+            except Exception as failure:  # noqa: BLE001 - the original exception matters more
+                logger.error("rank %d could not tell the other ranks that it failed: %s", self._rank, failure)
+            finally:
+                finished.set()
+
+        threading.Thread(target=protocol, name="join-abort", daemon=True).start()
+        if not finished.wait(ABORT_TIMEOUT.total_seconds()):
+            logger.error(
+                "rank %d: the other ranks did not take part in the abort within %.0f s; leaving anyway",
+                self._rank,
+                ABORT_TIMEOUT.total_seconds(),
+            )
 
     def _agree_on_abort(self, reason: str | None) -> None:
         """Gather every failing rank's reason; raise JoinAbortedError on the
@@ -296,6 +316,15 @@ class Join:
     def is_active(joinable: Joinable) -> bool:
         """Whether ``joinable`` is inside an entered, enabled Join right now."""
         return _lookup(joinable) is not None
+
+    @staticmethod
+    def heartbeats(joinable: Joinable) -> int:
+        """How many heartbeats this rank has exchanged in the Join ``joinable``
+        is in (0 outside one): a later joinable compares it with its own count
+        of finished iterations to know whether it owes an iteration's
+        collectives when :meth:`JoinHook.abort_hook` runs."""
+        found = _lookup(joinable)
+        return 0 if found is None else found[0]._reported
 
     @staticmethod
     def heartbeat_signal(joinable: Joinable) -> float:
