@@ -19,19 +19,22 @@ def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
 
 def gather_objects(obj: object, dst: int, group: dist.ProcessGroup) -> list[Any] | None:
     """Pickle ``obj`` on every rank and gather the objects on group rank ``dst``
-    (a list in rank order there, None elsewhere). CPU tensors, so it works on
-    any backend with CPU support; unlike torch's *_object collectives it does
-    not need NumPy."""
+    (a list in rank order there, None elsewhere). Unlike torch's *_object
+    collectives it does not need NumPy."""
     payload = pickle.dumps(obj)
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    # NCCL moves only CUDA tensors; gloo and others take CPU ones.
+    nccl = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sizes, size, group=group)
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     is_dst = dist.get_rank(group) == dst
-    buffers = [torch.empty(longest, dtype=torch.uint8) for _ in sizes] if is_dst else None
-    dist.gather(padded, buffers, dst=global_rank(group, dst), group=group)
+    buffers = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] if is_dst else None
+    dist.gather(padded.to(device), buffers, dst=global_rank(group, dst), group=group)
     if buffers is None:
         return None
-    return [pickle.loads(ctypes.string_at(b.data_ptr(), int(s))) for b, s in zip(buffers, sizes)]
+    received = [b.cpu() for b in buffers]
+    return [pickle.loads(ctypes.string_at(b.data_ptr(), int(s))) for b, s in zip(received, sizes)]

@@ -26,12 +26,14 @@ class GradBucket:
         parameters: list[torch.nn.Parameter],
         is_last: bool,
         divisor: int,
+        process_group: dist.ProcessGroup,
     ) -> None:
         self._index = index
         self._buffer = buffer
         self._parameters = parameters
         self._is_last = is_last
         self._divisor = divisor
+        self._process_group = process_group
 
     def index(self) -> int:
         """The bucket's position; buckets are reduced in index order."""
@@ -63,13 +65,17 @@ class GradBucket:
         number of ranks still training."""
         return self._divisor
 
+    def process_group(self) -> dist.ProcessGroup:
+        """The process group of the model this bucket belongs to."""
+        return self._process_group
+
 
 #: ``hook(state, bucket)`` reduces a bucket and returns a future of the result.
 CommHook: TypeAlias = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
 
 
-def _group(state: Any) -> dist.ProcessGroup | None:
-    return state if isinstance(state, dist.ProcessGroup) else None
+def _group(state: Any, bucket: GradBucket) -> dist.ProcessGroup:
+    return state if isinstance(state, dist.ProcessGroup) else bucket.process_group()
 
 
 def allreduce_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -78,7 +84,7 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch
     ``state`` is the process group, or None for the model's own.
     """
     tensor = bucket.buffer().div_(bucket.divisor())
-    work = dist.all_reduce(tensor, group=_group(state), async_op=True)
+    work = dist.all_reduce(tensor, group=_group(state, bucket), async_op=True)
     future: torch.futures.Future[list[torch.Tensor]] = work.get_future()
     return future.then(lambda f: f.value()[0])
 
@@ -89,7 +95,7 @@ def fp16_compress_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[t
     """
     buffer = bucket.buffer()
     compressed = buffer.div(bucket.divisor()).to(torch.float16)
-    work = dist.all_reduce(compressed, group=_group(state), async_op=True)
+    work = dist.all_reduce(compressed, group=_group(state, bucket), async_op=True)
     future: torch.futures.Future[list[torch.Tensor]] = work.get_future()
 
     def decompress(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:

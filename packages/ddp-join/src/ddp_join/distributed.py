@@ -139,12 +139,14 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self._world_size = dist.get_world_size(group)
         self._buffers_list = list(module.buffers())
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
-        self._comm_hook: CommHook | None = None
+        self._comm_hook: CommHook | None = None  # None: the built-in averaging all-reduce
         self._comm_state: Any = None
+        self._hook_registered = False
+        self._used_since_sync = [False] * len(self._params)  # find_unused_parameters, across no_sync
         self._divide_by_initial_world_size = True
         self._buffer_src = 0  # group rank whose buffers the next forward takes
 
-        self._broadcast_coalesced(list(module.parameters()) + self._buffers_list, src=0)
+        self._broadcast_coalesced(list(module.parameters()) + self._buffers_list, global_rank(group, 0))
         self._buckets = self._make_buckets(int(bucket_cap_mb * 1024 * 1024))
         self._where = {}  # param index -> (bucket, position)
         for bucket in self._buckets:
@@ -226,8 +228,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             if self.broadcast_buffers:
                 self._sync_buffers()
         output = self.module(*inputs, **kwargs)
-        if syncing and self.find_unused_parameters:
-            self._mark_unused(output)
+        if self.find_unused_parameters and torch.is_grad_enabled():
+            self._find_unused(output, syncing)
         return output
 
     @contextlib.contextmanager
@@ -250,12 +252,15 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         cost one small all-reduce more per iteration under Join (the count of
         ranks still training can no longer ride in the first bucket).
         """
-        if self._comm_hook is not None:
+        if self._hook_registered:
             raise RuntimeError("DistributedDataParallel.register_comm_hook: a hook is already registered")
         if Join.is_active(self):
             raise RuntimeError("DistributedDataParallel.register_comm_hook: register before entering a Join")
         if not callable(hook):
             raise TypeError(f"DistributedDataParallel.register_comm_hook(hook={hook!r}): not callable")
+        self._hook_registered = True
+        if hook is allreduce_hook and state in (None, self.process_group):
+            return  # the built-in reduction, which also carries the metadata
         self._comm_hook = hook
         self._comm_state = state
 
@@ -316,7 +321,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     @property
     def _carries(self) -> bool:
         """Whether the metadata (and Join's heartbeat) ride in bucket 0."""
-        return self._meta_rides and (self._comm_hook is None or self._comm_hook is allreduce_hook)
+        return self._meta_rides and self._comm_hook is None
 
     def _reset_iteration(self) -> None:
         self._open = False
@@ -324,6 +329,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self._next_launch = 0
         self._meta_future: torch.futures.Future[torch.Tensor] | None = None
         self._used = [True] * len(self._params)
+        self._unused_now: list[int] = []  # find_unused_parameters: not reached by this forward
+        self._backward_started = False
         for bucket in self._buckets:
             bucket.pending = len(bucket.params)
             bucket.ready = [False] * len(bucket.params)
@@ -333,12 +340,22 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         def hook(param: torch.Tensor) -> None:
             if not self._open:
                 return
-            if not self._callback_queued:
-                self._callback_queued = True
-                Variable._execution_engine.queue_callback(self._finish_backward)
+            self._start_backward()
             self._grad_ready(index, param.grad)
 
         return hook
+
+    def _start_backward(self, _: object = None) -> None:
+        """First gradient of a syncing backward: schedule the end, and count
+        parameters this forward did not reach as ready."""
+        if self._backward_started or not self._open:
+            return
+        self._backward_started = True
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+        for index in self._unused_now:
+            self._grad_ready(index, None)
 
     def _grad_ready(self, index: int, grad: torch.Tensor | None) -> None:
         bucket, position = self._where[index]
@@ -400,8 +417,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             divisor = self._divisor(self._meta_future.wait())
         else:
             divisor = self._world_size
+        is_last = bucket.index == len(self._buckets) - 1
         grad_bucket = GradBucket(
-            bucket.index, bucket.grads, bucket.params, bucket.index == len(self._buckets) - 1, divisor
+            bucket.index, bucket.grads, bucket.params, is_last, divisor, self.process_group
         )
         bucket.future = self._comm_hook(self._comm_state, grad_bucket)
 
@@ -412,12 +430,13 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             bucket, position = self._where[index]
             if not bucket.ready[position]:
                 self._grad_ready(index, None)
-        total = self._complete()
+        total = self._complete(shadow=False)
         self._reset_iteration()
+        self._used_since_sync = [False] * len(self._params)
         if total is not None:
             Join.heartbeat_result(self, total)
 
-    def _complete(self) -> float | None:
+    def _complete(self, shadow: bool) -> float | None:
         """Wait for every bucket, write gradients, remember which rank's
         buffers to take next; return the carried heartbeat, if any."""
         results = []
@@ -448,7 +467,11 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                     bucket.grads.div_(scale)
             for position, param in enumerate(bucket.params):
                 if not used[self._param_index[id(param)]]:
-                    continue  # no rank used it: .grad stays as it was
+                    # No rank used it: .grad stays as it was, except on a joined
+                    # rank, where an old value must not reach the optimizer.
+                    if shadow:
+                        param.grad = None
+                    continue
                 if self.gradient_as_bucket_view:
                     param.grad = bucket.grad_view(position)
                     continue
@@ -464,11 +487,16 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 self._buffer_src = int(active[0])
         return float(meta[0]) if self._rides(first) else None
 
-    def _mark_unused(self, output: Any) -> None:
-        """Find the parameters the autograd graph of ``output`` does not reach."""
+    def _find_unused(self, output: Any, syncing: bool) -> None:
+        """Note which parameters the autograd graph of ``output`` reaches.
+
+        Usage accumulates over ``no_sync`` forwards until the next reduction.
+        For a syncing forward, the parameters it did not reach are reduced
+        with what they hold once its backward starts."""
         reached: set[int] = set()
         seen: set[Any] = set()
-        stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
         while stack:
             node = stack.pop()
             if node in seen:
@@ -478,13 +506,16 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             if variable is not None:
                 reached.add(id(variable))
             stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
-        unused = [i for i, p in enumerate(self._params) if id(p) not in reached]
-        for index in unused:
-            self._used[index] = False
-        if unused and len(unused) == len(self._params):
-            return  # no hook will fire on this rank; the end of backward handles it
-        for index in unused:
-            self._grad_ready(index, None)
+        for index, param in enumerate(self._params):
+            if id(param) in reached:
+                self._used_since_sync[index] = True
+            elif syncing:
+                self._unused_now.append(index)
+        if syncing:
+            self._used = list(self._used_since_sync)
+            # Backward may reach no parameter of this rank at all: start from the outputs.
+            for tensor in outputs:
+                tensor.register_hook(self._start_backward)
 
     # Collectives outside backward.
 
@@ -551,7 +582,7 @@ class _DDPJoinHook(JoinHook):
                 return  # every rank has joined: nobody reduces the other buckets
         for bucket in ddp._buckets[1:]:
             ddp._launch(bucket, training=False)
-        ddp._complete()
+        ddp._complete(shadow=True)
         ddp._reset_iteration()
 
     def abort_hook(self) -> None:
@@ -564,7 +595,7 @@ class _DDPJoinHook(JoinHook):
             bucket, position = ddp._where[index]
             if not bucket.ready[position]:
                 ddp._grad_ready(index, None)
-        total = ddp._complete()
+        total = ddp._complete(shadow=True)
         ddp._reset_iteration()
         if total is not None:
             Join.heartbeat_result(ddp, total)
@@ -576,3 +607,4 @@ class _DDPJoinHook(JoinHook):
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp.process_group)
         src = global_rank(ddp.process_group, int(candidate.item()))
         ddp._broadcast_coalesced(list(ddp.module.parameters()) + ddp._buffers_list, src)
+        ddp._buffer_src = 0  # after the Join, buffers come from rank 0 again

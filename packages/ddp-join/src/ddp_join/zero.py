@@ -68,6 +68,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._load = [0] * self.world_size  # elements owned per rank
         self._initialized = False
         self._consolidated: list[dict[int, Any]] | None = None
+        self._stepped = 0  # heartbeats of the current Join when step() last finished
         super().__init__(params, defaults)
         for param_group in self.param_groups:
             self._assign(param_group["params"])
@@ -138,6 +139,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         Join.notify_join_context(self)
         loss = self._local_step(closure)
         self._broadcast_shards()
+        self._stepped = Join.heartbeats(self)
         return loss
 
     def _local_step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -228,6 +230,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook that keeps a joined rank stepping and broadcasting its shard."""
+        self._stepped = 0
         return _ZeroJoinHook(self)
 
     @property
@@ -252,6 +255,12 @@ class _ZeroJoinHook(JoinHook):
     def main_hook(self) -> None:
         self.zero._local_step()
         self.zero._broadcast_shards()
+
+    def abort_hook(self) -> None:
+        # The rank failed after this iteration's heartbeat (its gradients were
+        # reduced) but before step() finished: the others broadcast shards.
+        if Join.heartbeats(self.zero) > self.zero._stepped:
+            self.zero._broadcast_shards()
 
 
 def _by_dtype(params: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
