@@ -370,7 +370,6 @@ def _describe(request: tuple[object, ...]) -> str:
 
 _init_lock = threading.Lock()
 _state: _RpcState | None = None
-_init_counter = itertools.count()
 
 
 def _current() -> _RpcState:
@@ -443,8 +442,11 @@ def _rendezvous(
         store, rank, world_size = next(rendezvous(url, rank=rank, world_size=world_size))
     if options.rpc_timeout > 0:
         store.set_timeout(timedelta(seconds=options.rpc_timeout))
-    # Successive sessions of one process group use separate keys.
-    return PrefixStore(f"rpc_prefix_{next(_init_counter)}", store), rank, world_size
+    # Successive sessions on one store use separate keys. Each rank counts its
+    # own sessions in the store itself, so workers that all start again agree,
+    # and a fresh store (a fresh group) starts from 1 whatever a process did before.
+    session = store.add(f"rpc_registry/sessions/rank{rank}", 1)
+    return PrefixStore(f"rpc_session_{session}", store), rank, world_size
 
 
 def _is_int(value: object) -> bool:
