@@ -1,0 +1,41 @@
+"""tensorpipe-backend: an RPC agent for rpc-registry, registered as the TENSORPIPE backend.
+
+Python calls and tensors move between workers over authenticated TCP
+connections (tensors beside the pickle, straight into preallocated tensors);
+the rendezvous store of ``rpc_registry.init_rpc`` carries names, addresses,
+device maps and barriers. Installed, it is ``rpc_registry``'s default backend.
+"""
+
+from __future__ import annotations
+
+from .agent import ADDR_ENV, TensorPipeAgent, get_current_agent
+from .auth import AUTH_TOKEN_ENV, AuthenticationError
+from .device_maps import create_device_list, create_reverse_mapping, validate_device_maps
+from .options import (
+    DEFAULT_NUM_WORKER_THREADS,
+    DeviceType,
+    TensorPipeRpcBackendOptions,
+    construct_rpc_backend_options_handler,
+)
+from .plugin import BACKEND_NAME, PLUGIN, ensure_registered, init_backend_handler
+from .wire import FrameError
+
+__all__ = [
+    "ADDR_ENV",
+    "AUTH_TOKEN_ENV",
+    "BACKEND_NAME",
+    "DEFAULT_NUM_WORKER_THREADS",
+    "PLUGIN",
+    "AuthenticationError",
+    "DeviceType",
+    "FrameError",
+    "TensorPipeAgent",
+    "TensorPipeRpcBackendOptions",
+    "construct_rpc_backend_options_handler",
+    "create_device_list",
+    "create_reverse_mapping",
+    "ensure_registered",
+    "get_current_agent",
+    "init_backend_handler",
+    "validate_device_maps",
+]

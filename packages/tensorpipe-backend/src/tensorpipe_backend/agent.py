@@ -1,0 +1,944 @@
+"""``TensorPipeAgent``: moves ``rpc_registry`` messages between workers over sockets.
+
+One authenticated TCP connection per pair of workers carries requests and
+replies both ways. When two workers dial each other at once, the dial of the
+lower rank wins and the other is told to use it. Each connection has a reader
+thread; incoming requests of one peer go through a queue that at most one of
+the ``num_worker_threads`` workers drains at a time, so they reach the
+handler in the order the peer sent them. Liveness comes from TCP keepalive
+and ``TCP_USER_TIMEOUT`` (about four seconds); a killed process is noticed at
+once because its kernel closes its sockets.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import heapq
+import ipaddress
+import itertools
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
+from urllib.parse import urlparse
+
+import torch
+from torch.distributed.distributed_c10d import Store
+from torch.futures import Future
+
+from rpc_registry import Message, RequestHandler, WorkerInfo
+
+from .auth import (
+    AuthenticationError,
+    HandshakeStatus,
+    PeerIdentity,
+    client_handshake,
+    resolve_secret,
+    server_handshake,
+)
+from .device_maps import create_device_list, create_reverse_mapping, validate_device_maps
+from .group import (
+    WorkerRecord,
+    members,
+    membership_token,
+    rank_key,
+    record_key,
+    set_members,
+    store_barrier,
+    store_sum_barrier,
+    wait_keys,
+)
+from .options import DeviceMap, TensorPipeRpcBackendOptions
+from .wire import (
+    HEADER,
+    FrameError,
+    Kind,
+    TensorDescriptor,
+    decode_descriptors,
+    decode_header,
+    device_index,
+    encode_descriptors,
+    encode_header,
+    recv_exact,
+    recv_into,
+    send_all,
+    tensor_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ADDR_ENV", "TensorPipeAgent", "get_current_agent", "prepare_tensor"]
+
+ADDR_ENV: Final = "TENSORPIPE_BACKEND_ADDR"
+"""Environment variable: the address this worker listens on and publishes to its peers."""
+
+_HANDSHAKE_TIMEOUT: Final = 30.0
+_MAX_HANDSHAKES: Final = 64
+_SMALL_PAYLOAD: Final = 1 << 16
+_STRAND_BATCH: Final = 32
+_KEEPALIVE: Final = {"TCP_KEEPIDLE": 1, "TCP_KEEPINTVL": 1, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 4000}
+
+_current: weakref.ref[TensorPipeAgent] | None = None
+
+
+def get_current_agent() -> TensorPipeAgent:
+    """The agent most recently created in this process, if it is still running."""
+    agent = _current() if _current is not None else None
+    if agent is None or agent.is_shut_down:
+        raise RuntimeError(
+            "no TensorPipeAgent is running in this process: call rpc_registry.init_rpc() first"
+        )
+    return agent
+
+
+def _fail(fut: Future[Any], exc: BaseException) -> None:
+    fut.set_exception(exc)
+
+
+def _cuda_mapping_error(device: torch.device, dest: str, is_request: bool) -> RuntimeError:
+    side = "Request" if is_request else "Response"
+    return RuntimeError(
+        "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to CPU "
+        "before sending them over RPC, or call `set_device_map` on `TensorPipeRpcBackendOptions` to "
+        f"explicitly configure device mapping. {side} device mapping is not available for destination "
+        f"{dest} (tensor on {device})"
+    )
+
+
+def prepare_tensor(
+    tensor: torch.Tensor, device_map: DeviceMap, dest: str, is_request: bool = True
+) -> tuple[TensorDescriptor, torch.Tensor]:
+    """Where ``tensor`` lands at ``dest``, and its contiguous CPU data to send.
+
+    CPU tensors stay on the CPU; a CUDA tensor goes to ``device_map[its
+    device]`` and is staged through host memory. A CUDA tensor with no entry
+    in the map raises torch's error about ``set_device_map``.
+    """
+    if tensor.layout != torch.strided:
+        raise TypeError(f"a tensor with layout {tensor.layout} cannot be sent over RPC; use .to_dense()")
+    if tensor.device.type == "cpu":
+        target = torch.device("cpu")
+    else:
+        mapped = device_map.get(tensor.device)
+        if mapped is None:
+            raise _cuda_mapping_error(tensor.device, dest, is_request)
+        target = mapped
+    data = tensor.detach().resolve_conj().resolve_neg()
+    if data.device.type != "cpu":
+        data = data.to("cpu")
+    data = data.contiguous()
+    grad = tensor.requires_grad and (tensor.dtype.is_floating_point or tensor.dtype.is_complex)
+    nbytes = data.numel() * data.element_size()
+    return TensorDescriptor(data.dtype, target, tuple(data.shape), nbytes, grad), data
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in _KEEPALIVE.items():
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+def _listen_host(init_method: str) -> str:
+    explicit = os.environ.get(ADDR_ENV)
+    if explicit:
+        return explicit
+    parsed = urlparse(init_method)
+    host = parsed.hostname if parsed.scheme == "tcp" else None
+    if parsed.scheme == "env":
+        host = os.environ.get("MASTER_ADDR")
+    if not host:
+        return "127.0.0.1"
+    try:
+        address = socket.getaddrinfo(host, None, family=socket.AF_INET)[0][4][0]
+        if ipaddress.ip_address(address).is_loopback:
+            return "127.0.0.1"
+        # The local address on the route to the rendezvous host; a UDP connect sends nothing.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            local: str = probe.getsockname()[0]
+            return local
+    except OSError as exc:
+        logger.warning("cannot route to %s (%s); listening on 127.0.0.1, set %s", host, exc, ADDR_ENV)
+        return "127.0.0.1"
+
+
+class _Pending:
+    __slots__ = ("future", "what")
+
+    def __init__(self, future: Future[Message], what: str) -> None:
+        self.future = future
+        self.what = what
+
+
+class _Connection:
+    """One authenticated socket to a peer; ``send_lock`` keeps frames whole."""
+
+    def __init__(self, peer: WorkerInfo, sock: socket.socket) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.send_lock = threading.Lock()
+        self.pending: dict[int, _Pending] = {}
+        self.closed = False
+
+
+class _Strand:
+    """The queued requests of one peer; drained by one worker thread at a time."""
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[tuple[_Connection, int, Message]] = collections.deque()
+        self.running = False
+
+
+class TensorPipeAgent:
+    """An ``rpc_registry.RpcAgent`` over authenticated sockets; see the module docstring.
+
+    Created by the backend's init handler (through ``rpc_registry.init_rpc``),
+    which passes the rendezvous ``store``. ``world_size=None`` joins a dynamic
+    group. The constructor returns once this worker is reachable and, in a
+    static group, every worker has checked the group's device maps.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        rank: int,
+        world_size: int | None,
+        options: TensorPipeRpcBackendOptions,
+    ) -> None:
+        global _current
+        self._store = store
+        self._options = options
+        self._me = WorkerInfo(name, rank)
+        self._world_size = world_size
+        self._rpc_timeout = options.rpc_timeout
+        self._cond = threading.Condition(threading.RLock())
+        self._records: dict[str, WorkerRecord] = {}
+        self._conns: dict[str, _Connection] = {}
+        self._dialing: set[str] = set()
+        self._left: dict[str, str] = {}
+        self._strands: dict[str, _Strand] = {}
+        self._pings: dict[int, threading.Event] = {}
+        self._handler: RequestHandler | None = None
+        self._in_flight = 0
+        self._handshakes = 0
+        self._ids = itertools.count(1)
+        self._barriers = itertools.count()
+        self._closed = False
+        self._said_goodbye = False
+        self._threads: list[threading.Thread] = []
+        self._device_maps = options.device_maps
+        self._reverse_maps: dict[str, DeviceMap] = {}
+        self._devices: list[torch.device] = []
+        self._cuda_count = torch.cuda.device_count()
+        self._pool = ThreadPoolExecutor(options.num_worker_threads, thread_name_prefix=f"tpb-{name}")
+        self._deadlines: list[tuple[float, int, _Connection, int, float]] = []
+        self._deadline_seq = itertools.count()
+        self._listener: socket.socket | None = None
+        try:
+            self._secret = resolve_secret(
+                options.auth_token, store, rank, world_size is not None, self._init_timeout
+            )
+            host = _listen_host(options.init_method)
+            self._listener = socket.create_server((host, 0))
+            self._listener.settimeout(0.2)
+            record = WorkerRecord(
+                name,
+                rank,
+                host,
+                self._listener.getsockname()[1],
+                self._cuda_count,
+                self._device_maps,
+                options.devices,
+            )
+            self._spawn(self._accept_loop, "accept")
+            self._spawn(self._deadline_loop, "deadlines")
+            if world_size is not None:
+                self._join_static(record, world_size)
+            else:
+                self._join_dynamic(record)
+        except BaseException:
+            self._close_now()
+            raise
+        _current = weakref.ref(self)
+        logger.debug("agent %s (rank %d) listens on %s:%d", name, rank, host, record.port)
+
+    # Group set-up.
+    @property
+    def _init_timeout(self) -> float:
+        return self._rpc_timeout if self._rpc_timeout > 0 else 300.0
+
+    def _publish(self, record: WorkerRecord) -> None:
+        text = record.to_json()
+        current = self._store.compare_set(record_key(record.name), "", text).decode()
+        if current != text:
+            other = WorkerRecord.from_json(current)
+            raise ValueError(
+                f"name={record.name!r}: already used by the worker of rank {other.rank}; "
+                "give every worker a unique name"
+            )
+        self._records[record.name] = record
+
+    def _join_static(self, record: WorkerRecord, world_size: int) -> None:
+        store, timeout = self._store, self._init_timeout
+        self._publish(record)
+        store.set(rank_key(record.rank), record.name)
+        wait_keys(store, [rank_key(r) for r in range(world_size)], timeout, "every rank to publish its name")
+        names = [store.get(rank_key(r)).decode() for r in range(world_size)]
+        wait_keys(store, [record_key(n) for n in names], timeout, "every worker to publish its address")
+        records = {n: WorkerRecord.from_json(store.get(record_key(n))) for n in names}
+        validate_device_maps(
+            names,
+            {n: r.device_count for n, r in records.items()},
+            {n: r.device_maps for n, r in records.items()},
+            {n: r.devices for n, r in records.items()},
+        )
+        reverse = create_reverse_mapping(record.name, names, {n: r.device_maps for n, r in records.items()})
+        with self._cond:
+            self._records = records
+            self._reverse_maps = reverse
+            self._devices = create_device_list(record.devices, self._device_maps, reverse)
+            self._cond.notify_all()
+        if self._devices and torch.cuda.is_available():
+            torch.cuda.init()
+        # Warm-up: every worker reaches rank 0 once, so connections exist before the first shutdown.
+        if record.rank != 0:
+            self._ping(names[0], timeout)
+        store_barrier(store, "tensorpipe_backend/init", world_size, timeout, "the end of init_rpc")
+
+    def _join_dynamic(self, record: WorkerRecord) -> None:
+        store, timeout = self._store, self._init_timeout
+        with membership_token(store, record.name, timeout):
+            current = members(store)
+            if record.name in current:
+                raise ValueError(f"name={record.name!r}: a worker of this name is already in the group")
+            self._publish(record)
+            records = {n: WorkerRecord.from_json(store.get(record_key(n))) for n in current}
+            records[record.name] = record
+            names = [*current, record.name]
+            validate_device_maps(
+                names,
+                {n: r.device_count for n, r in records.items()},
+                {n: r.device_maps for n, r in records.items()},
+                {n: r.devices for n, r in records.items()},
+                is_static_group=False,
+            )
+            with self._cond:
+                for other in records.values():
+                    self._learn(other)
+            set_members(store, names)
+            # Each member loads this worker's record when it accepts the connection,
+            # and computes its own reverse map to this worker from it.
+            for peer in current:
+                try:
+                    self._ping(peer, timeout)
+                except (OSError, TimeoutError) as exc:
+                    logger.warning("%s: member %s did not answer while joining: %s", record.name, peer, exc)
+
+    def _learn(self, record: WorkerRecord) -> None:
+        """Remember ``record`` and the reverse map it implies (hold ``_cond``)."""
+        self._records[record.name] = record
+        self._left.pop(record.name, None)
+        map_to_me = record.device_maps.get(self._me.name)
+        if map_to_me is not None:
+            self._reverse_maps[record.name] = {dst: src for src, dst in map_to_me.items()}
+        self._devices = create_device_list(self._options.devices, self._device_maps, self._reverse_maps)
+
+    def _record(self, name: str) -> WorkerRecord | None:
+        world_size = self._world_size
+        if world_size is not None:
+            # A peer may connect before this worker has read the group's records. Wait for
+            # them rather than read the store: the store client serves one call at a time,
+            # and the init thread may be blocked in a store wait that needs this peer.
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: name in self._records or len(self._records) >= world_size or self._closed,
+                    timeout=self._init_timeout,
+                )
+                return self._records.get(name)
+        with self._cond:
+            record = self._records.get(name)
+        if record is not None:
+            return record
+        key = record_key(name)
+        if not self._store.check([key]):
+            return None
+        record = WorkerRecord.from_json(self._store.get(key))
+        with self._cond:
+            self._learn(record)
+        return record
+
+    # The RpcAgent protocol.
+    @property
+    def rpc_timeout(self) -> float:
+        """The default timeout in seconds that ``timeout=-1`` stands for."""
+        return self._rpc_timeout
+
+    @property
+    def is_shut_down(self) -> bool:
+        """Whether :meth:`shutdown` ran."""
+        return self._closed
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The host and port this worker listens on (published to its peers through the store)."""
+        record = self._records[self._me.name]
+        return record.host, record.port
+
+    @property
+    def reverse_device_maps(self) -> dict[str, DeviceMap]:
+        """Per peer that maps devices to this worker: {this worker's device: the peer's}, for replies."""
+        with self._cond:
+            return {name: dict(map_) for name, map_ in self._reverse_maps.items()}
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The local CUDA devices this agent handles."""
+        with self._cond:
+            return list(self._devices)
+
+    def start(self, handler: RequestHandler) -> None:
+        """Begin delivering incoming requests (queued ones first) to ``handler``."""
+        with self._cond:
+            self._handler = handler
+            ready = [s for s in self._strands.values() if s.queue and not s.running]
+            for strand in ready:
+                strand.running = True
+        for strand in ready:
+            self._pool.submit(self._drain, strand)
+
+    def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
+        """The named worker's info, or this worker's; ``ValueError`` naming an unknown or departed one."""
+        if worker_name is None or worker_name == self._me.name:
+            return self._me
+        record = self._record(worker_name)
+        if record is None:
+            with self._cond:
+                reason = self._left.get(worker_name)
+                known = sorted(self._records)
+            if reason is not None:
+                raise ValueError(f"worker_name={worker_name!r}: worker {worker_name} {reason}")
+            raise ValueError(
+                f"worker_name={worker_name!r}: no worker of this name in the group (known: {known})"
+            )
+        return WorkerInfo(record.name, record.rank)
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        """Every worker known to be in the group, this one included, by rank."""
+        if self._world_size is None and not self._closed:
+            for name in members(self._store):
+                self._record(name)
+        with self._cond:
+            infos = {WorkerInfo(r.name, r.rank) for n, r in self._records.items() if n not in self._left}
+        return sorted(infos | {self._me}, key=lambda info: info.id)
+
+    def send(self, to: WorkerInfo, message: Message, timeout: float) -> Future[Message]:
+        """Send a request to ``to``; the future holds the reply or an error naming ``to``."""
+        if self._closed:
+            raise RuntimeError(f"{self._me.name}: the agent is shut down; call init_rpc() again to send")
+        future: Future[Message] = Future()
+        with self._cond:
+            reason = self._left.get(to.name)
+        if reason is not None:
+            _fail(future, ConnectionError(f"worker {to.name} {reason}; the call was not sent"))
+            return future
+        device_map = self._device_maps.get(to.name, {})
+        prepared = [prepare_tensor(t, device_map, to.name, is_request=True) for t in message.tensors]
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        conn = self._connection(to.name, deadline)
+        msg_id = next(self._ids)
+        with self._cond:
+            if conn.closed:
+                _fail(future, ConnectionError(f"worker {to.name}: the connection closed before sending"))
+                return future
+            conn.pending[msg_id] = _Pending(future, f"rpc {msg_id} to {to.name}")
+            self._in_flight += 1
+            if deadline is not None:
+                heapq.heappush(self._deadlines, (deadline, next(self._deadline_seq), conn, msg_id, timeout))
+                self._cond.notify_all()
+        try:
+            self._write(conn, Kind.REQUEST, msg_id, message.payload, prepared)
+        except (OSError, FrameError) as exc:
+            self._drop(conn, f"sending to it failed ({exc})")
+        return future
+
+    def sync(self) -> None:
+        """A barrier of the static group (at most ``rpc_timeout`` s); a dynamic group has none."""
+        if self._world_size is None:
+            return
+        key = f"tensorpipe_backend/sync/{next(self._barriers)}"
+        store_barrier(self._store, key, self._world_size, self._rpc_timeout, "sync()")
+
+    def join(self, shutdown: bool = False, timeout: float = 0) -> None:
+        """Wait until no worker has a call in flight (``timeout`` s, ``0``: no limit).
+
+        A static group repeats a store barrier that sums every worker's calls
+        in flight until a round sums to zero. A worker of a dynamic group
+        waits for its own calls, then (with ``shutdown=True``) leaves the
+        group, telling its peers.
+        """
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        if self._world_size is None:
+            self._wait_idle(deadline)
+            if shutdown:
+                self._leave(deadline)
+            return
+        base = f"tensorpipe_backend/join/{next(self._barriers)}"
+        for round_ in itertools.count():
+            active = self._active()
+            remaining = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
+            total = store_sum_barrier(
+                self._store, f"{base}/{round_}", self._world_size, active, remaining, "a shutdown barrier"
+            )
+            if total == 0:
+                break
+            with self._cond:
+                self._cond.wait_for(lambda: self._in_flight == 0, timeout=0.05)
+        if shutdown:
+            self._goodbye("has shut down")
+            self._store.add(f"{base}/left", 1)
+            # Rank 0 hosts the store: it stays until every worker is past its last store call.
+            while self._me.id == 0 and self._store.add(f"{base}/left", 0) < self._world_size:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {timeout:g} s for every worker to pass the shutdown barrier")
+                time.sleep(0.01)
+
+    def shutdown(self) -> None:
+        """Close every connection and stop the threads; pending calls fail naming their peer."""
+        self._goodbye("has shut down")
+        self._close_now()
+
+    # Shutdown helpers.
+    def _active(self) -> int:
+        with self._cond:
+            return self._in_flight
+
+    def _wait_idle(self, deadline: float | None) -> None:
+        with self._cond:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not self._cond.wait_for(lambda: self._in_flight == 0, timeout=remaining):
+                raise TimeoutError(
+                    f"{self._me.name}: {self._in_flight} calls still in flight when the shutdown timeout "
+                    "passed; pass a larger timeout or 0 to wait without limit"
+                )
+
+    def _leave(self, deadline: float | None) -> None:
+        timeout = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
+        with membership_token(self._store, self._me.name, timeout):
+            set_members(self._store, [n for n in members(self._store) if n != self._me.name])
+            self._store.delete_key(record_key(self._me.name))
+        self._goodbye("left the group")
+
+    def _goodbye(self, reason: str) -> None:
+        with self._cond:
+            if self._said_goodbye or self._closed:
+                return
+            self._said_goodbye = True
+            conns = list(self._conns.values())
+        for conn in conns:
+            try:
+                self._write(conn, Kind.GOODBYE, 0, reason.encode(), [])
+            except (OSError, FrameError):
+                logger.debug("could not say goodbye to %s", conn.peer.name)
+
+    def _close_now(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            conns = list(self._conns.values())
+            self._cond.notify_all()
+        if self._listener is not None:
+            self._listener.close()
+        for conn in conns:
+            self._drop(conn, f"this worker ({self._me.name}) shut down")
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        current = threading.current_thread()
+        for thread in list(self._threads):
+            if thread is not current:
+                thread.join(timeout=5)
+                if thread.is_alive():
+                    logger.warning("thread %s did not stop within 5 s after shutdown", thread.name)
+
+    # Connections.
+    def _spawn(self, target: Callable[..., None], what: str, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"tpb-{self._me.name}-{what}", daemon=True)
+        with self._cond:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+        thread.start()
+
+    def _connection(self, name: str, deadline: float | None) -> _Connection:
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        raise RuntimeError(f"{self._me.name}: the agent is shut down")
+                    conn = self._conns.get(name)
+                    if conn is not None and not conn.closed:
+                        return conn
+                    if name not in self._dialing:
+                        break
+                    self._wait(deadline, f"a connection to worker {name}")
+                self._dialing.add(name)
+            try:
+                conn = self._dial(name, deadline)
+            finally:
+                with self._cond:
+                    self._dialing.discard(name)
+                    self._cond.notify_all()
+            if conn is not None:
+                return conn
+            # The peer keeps another connection with us (its own dial, or one it has not seen close).
+            with self._cond:
+                self._cond.wait_for(lambda: name in self._conns, timeout=0.05)
+
+    def _wait(self, deadline: float | None, what: str) -> None:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise TimeoutError(f"{self._me.name}: timed out waiting for {what}")
+        self._cond.wait(timeout=remaining if remaining is not None else 1.0)
+
+    def _dial(self, name: str, deadline: float | None) -> _Connection | None:
+        record = self._record(name)
+        if record is None:
+            raise ValueError(f"worker {name!r} is not in the group; it may have left")
+        limit = _HANDSHAKE_TIMEOUT if deadline is None else max(min(deadline - time.monotonic(), 30.0), 0.01)
+        try:
+            sock = socket.create_connection((record.host, record.port), timeout=limit)
+        except OSError as exc:
+            raise ConnectionError(
+                f"worker {name} (rank {record.rank}) at {record.host}:{record.port} is unreachable: {exc}"
+            ) from exc
+        try:
+            _tune(sock)
+            peer = PeerIdentity(name, record.rank)
+            _, status = client_handshake(sock, self._secret, PeerIdentity(self._me.name, self._me.id), peer)
+        except (OSError, EOFError, struct.error) as exc:
+            _close(sock)
+            if isinstance(exc, AuthenticationError):
+                raise
+            raise ConnectionError(f"worker {name}: connecting failed during authentication ({exc})") from exc
+        if status is HandshakeStatus.DUPLICATE:
+            _close(sock)
+            return None
+        sock.settimeout(None)
+        conn = _Connection(WorkerInfo(name, record.rank), sock)
+        with self._cond:
+            old = self._conns.get(name)
+            self._conns[name] = conn
+            self._cond.notify_all()
+        if old is not None and old is not conn:
+            self._drop(old, "replaced by a new connection")
+        self._spawn(self._read_loop, f"read-{name}", conn)
+        return conn
+
+    def _accept_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        while not self._closed:
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.is_shut_down:
+                    return
+                time.sleep(0.05)
+                continue
+            with self._cond:
+                if self._handshakes >= _MAX_HANDSHAKES or self._closed:
+                    sock.close()
+                    continue
+                self._handshakes += 1
+            self._spawn(self._serve, "serve", sock)
+
+    def _serve(self, sock: socket.socket) -> None:
+        conn: list[_Connection] = []
+
+        def decide(peer: PeerIdentity) -> HandshakeStatus:
+            record = self._record(peer.name)
+            if record is None or record.rank != peer.rank:
+                raise AuthenticationError(f"{peer} is not a member of the group")
+            with self._cond:
+                if self._closed:
+                    raise AuthenticationError("this worker is shutting down")
+                existing = self._conns.get(peer.name)
+                if existing is not None and not existing.closed:
+                    return HandshakeStatus.DUPLICATE
+                if peer.name in self._dialing and self._me.id < peer.rank:
+                    return HandshakeStatus.DUPLICATE
+                new = _Connection(WorkerInfo(peer.name, peer.rank), sock)
+                # Nothing may be sent on it before the verdict.
+                new.send_lock.acquire()
+                self._conns[peer.name] = new
+                self._cond.notify_all()
+                conn.append(new)
+                return HandshakeStatus.ACCEPTED
+
+        try:
+            sock.settimeout(_HANDSHAKE_TIMEOUT)
+            _tune(sock)
+            server_handshake(sock, self._secret, PeerIdentity(self._me.name, self._me.id), decide)
+        except (OSError, EOFError, struct.error, ValueError) as exc:
+            logger.warning("%s: rejected a connection: %s", self._me.name, exc)
+            if conn:
+                conn[0].send_lock.release()
+                self._drop(conn[0], f"authentication failed ({exc})")
+            else:
+                _close(sock)
+            return
+        finally:
+            with self._cond:
+                self._handshakes -= 1
+        if not conn:
+            _close(sock)
+            return
+        sock.settimeout(None)
+        conn[0].send_lock.release()
+        self._read_loop(conn[0])
+
+    def _drop(self, conn: _Connection, reason: str) -> None:
+        with self._cond:
+            conn.closed = True
+            if self._conns.get(conn.peer.name) is conn:
+                del self._conns[conn.peer.name]
+            pending, conn.pending = conn.pending, {}
+            self._in_flight -= len(pending)
+            left = self._left.get(conn.peer.name)
+            self._cond.notify_all()
+        _close(conn.sock)
+        name = conn.peer.name
+        for entry in pending.values():
+            text = f"worker {name} {left}" if left else f"worker {name} (rank {conn.peer.id}): {reason}"
+            _fail(entry.future, ConnectionError(f"{text}; {entry.what} did not complete"))
+
+    # Frames.
+    def _write(
+        self,
+        conn: _Connection,
+        kind: Kind,
+        msg_id: int,
+        payload: bytes,
+        prepared: list[tuple[TensorDescriptor, torch.Tensor]],
+    ) -> None:
+        descriptors = encode_descriptors([desc for desc, _ in prepared])
+        header = encode_header(kind, msg_id, len(payload), len(prepared), len(descriptors))
+        with conn.send_lock:
+            if conn.closed:
+                raise ConnectionError(f"the connection to {conn.peer.name} is closed")
+            if len(payload) <= _SMALL_PAYLOAD:
+                conn.sock.sendall(b"".join((header, descriptors, payload)))
+            else:
+                conn.sock.sendall(header + descriptors)
+                send_all(conn.sock, payload)
+            for _, data in prepared:
+                send_all(conn.sock, tensor_bytes(data))
+
+    def _read_loop(self, conn: _Connection) -> None:
+        reason = "the connection closed"
+        try:
+            while True:
+                header = decode_header(recv_exact(conn.sock, HEADER.size))
+                descs = (
+                    decode_descriptors(recv_exact(conn.sock, header.descriptors_len), header.tensor_count)
+                    if header.tensor_count
+                    else []
+                )
+                payload = bytes(recv_exact(conn.sock, header.payload_len))
+                tensors, error = self._receive_tensors(conn.sock, descs)
+                self._dispatch(conn, header.kind, header.msg_id, payload, tensors, error)
+        except FrameError as exc:
+            reason = f"it sent a malformed frame ({exc})"
+            logger.warning("%s: closing the connection to %s: %s", self._me.name, conn.peer.name, reason)
+        except (OSError, EOFError) as exc:
+            reason = (
+                "the connection closed" if isinstance(exc, EOFError) else f"the connection failed ({exc})"
+            )
+        finally:
+            self._drop(conn, reason)
+
+    def _receive_tensors(
+        self, sock: socket.socket, descs: list[TensorDescriptor]
+    ) -> tuple[tuple[torch.Tensor, ...], str | None]:
+        tensors: list[torch.Tensor] = []
+        error: str | None = None
+        for desc in descs:
+            try:
+                tensor = torch.empty(desc.shape, dtype=desc.dtype)
+            except RuntimeError as exc:
+                raise FrameError(f"cannot allocate a tensor of shape {desc.shape}: {exc}") from exc
+            recv_into(sock, tensor_bytes(tensor))
+            if desc.device.type == "cuda" and error is None:
+                if device_index(desc.device) >= self._cuda_count:
+                    error = (
+                        f"{self._me.name} has {self._cuda_count} CUDA devices and cannot place a tensor on "
+                        f"{desc.device}; fix the sender's device map"
+                    )
+                else:
+                    tensor = tensor.to(desc.device)
+            if desc.requires_grad:
+                tensor.requires_grad_()
+            tensors.append(tensor)
+        return tuple(tensors), error
+
+    def _dispatch(
+        self,
+        conn: _Connection,
+        kind: Kind,
+        msg_id: int,
+        payload: bytes,
+        tensors: tuple[torch.Tensor, ...],
+        error: str | None,
+    ) -> None:
+        if kind is Kind.REQUEST:
+            if error is not None:
+                self._write(conn, Kind.ERROR, msg_id, error.encode(), [])
+                return
+            self._enqueue(conn, msg_id, Message(payload, tensors))
+        elif kind in (Kind.REPLY, Kind.ERROR):
+            with self._cond:
+                entry = conn.pending.pop(msg_id, None)
+            if entry is None:
+                logger.debug("%s: late reply %d from %s dropped", self._me.name, msg_id, conn.peer.name)
+                return
+            outcome: Message | BaseException
+            if kind is Kind.ERROR:
+                text = payload.decode(errors="replace")
+                outcome = RuntimeError(f"worker {conn.peer.name} could not handle {entry.what}: {text}")
+            elif error is not None:
+                outcome = RuntimeError(f"the reply to {entry.what} cannot be placed here: {error}")
+            else:
+                outcome = Message(payload, tensors)
+            self._submit(self._complete, entry, outcome)
+        elif kind is Kind.PING:
+            self._write(conn, Kind.PONG, msg_id, b"", [])
+        elif kind is Kind.PONG:
+            with self._cond:
+                event = self._pings.pop(msg_id, None)
+            if event is not None:
+                event.set()
+        elif kind is Kind.GOODBYE:
+            with self._cond:
+                self._left[conn.peer.name] = payload.decode(errors="replace")[:200]
+                if self._world_size is None:
+                    self._records.pop(conn.peer.name, None)
+                    self._reverse_maps.pop(conn.peer.name, None)
+
+    def _submit(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            self._pool.submit(fn, *args)
+        except RuntimeError:  # the pool is shut down: run it here
+            fn(*args)
+
+    def _complete(self, entry: _Pending, outcome: Message | BaseException) -> None:
+        try:
+            if isinstance(outcome, BaseException):
+                _fail(entry.future, outcome)
+            else:
+                entry.future.set_result(outcome)
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    def _ping(self, name: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        conn = self._connection(name, deadline)
+        event = threading.Event()
+        msg_id = next(self._ids)
+        with self._cond:
+            self._pings[msg_id] = event
+        self._write(conn, Kind.PING, msg_id, b"", [])
+        if not event.wait(max(deadline - time.monotonic(), 0.0)):
+            with self._cond:
+                self._pings.pop(msg_id, None)
+            raise TimeoutError(f"{self._me.name}: worker {name} did not answer a ping within {timeout:g} s")
+
+    # Incoming requests.
+    def _enqueue(self, conn: _Connection, msg_id: int, message: Message) -> None:
+        with self._cond:
+            self._in_flight += 1
+            strand = self._strands.setdefault(conn.peer.name, _Strand())
+            strand.queue.append((conn, msg_id, message))
+            if strand.running or self._handler is None:
+                return
+            strand.running = True
+        self._submit(self._drain, strand)
+
+    def _drain(self, strand: _Strand) -> None:
+        for _ in range(_STRAND_BATCH):
+            with self._cond:
+                if not strand.queue:
+                    strand.running = False
+                    return
+                conn, msg_id, message = strand.queue.popleft()
+                handler = self._handler
+            assert handler is not None
+            try:
+                reply = handler(conn.peer, message)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                reply = Future()
+                _fail(reply, exc)
+            reply.add_done_callback(functools.partial(self._send_reply, conn, msg_id))
+        # Let other peers' requests have a worker before continuing with this one.
+        self._submit(self._drain, strand)
+
+    def _send_reply(self, conn: _Connection, msg_id: int, reply: Future[Message]) -> None:
+        try:
+            try:
+                message = reply.value()
+                reverse = self.reverse_device_maps.get(conn.peer.name, {})
+                prepared = [
+                    prepare_tensor(t, reverse, conn.peer.name, is_request=False) for t in message.tensors
+                ]
+                self._write(conn, Kind.REPLY, msg_id, message.payload, prepared)
+            except (OSError, FrameError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                self._write(conn, Kind.ERROR, msg_id, f"{type(exc).__name__}: {exc}".encode(), [])
+        except (OSError, FrameError) as exc:
+            logger.debug("%s: reply %d to %s lost: %s", self._me.name, msg_id, conn.peer.name, exc)
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    # Per-call timeouts.
+    def _deadline_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (not self._deadlines or self._deadlines[0][0] > time.monotonic()):
+                    delay = self._deadlines[0][0] - time.monotonic() if self._deadlines else 1.0
+                    self._cond.wait(min(delay, 1.0))
+                if self._closed:
+                    return
+                _, _, conn, msg_id, timeout = heapq.heappop(self._deadlines)
+                entry = conn.pending.pop(msg_id, None)
+                if entry is not None:
+                    self._in_flight -= 1
+                    self._cond.notify_all()
+            if entry is not None:
+                _fail(
+                    entry.future,
+                    TimeoutError(
+                        f"{entry.what}: no reply within {timeout:g} s; pass a larger timeout, "
+                        "or timeout=0 to wait without limit"
+                    ),
+                )

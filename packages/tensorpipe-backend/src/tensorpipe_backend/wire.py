@@ -1,0 +1,280 @@
+"""The frame format between two authenticated agents.
+
+A frame is a fixed 28-byte header, a block of tensor descriptors, the pickled
+payload (bytes the RPC layer produced; this module never unpickles) and the
+raw bytes of each tensor, in order::
+
+    header      magic "TPB1", kind, message id, payload length,
+                tensor count, descriptor block length
+    descriptors per tensor: dtype, target device, ndim, flags, byte count, shape
+    payload     payload-length bytes
+    tensor data each tensor's bytes, C-contiguous
+
+Tensors are sent from their own memory (no copy for contiguous CPU tensors)
+and received straight into tensors allocated from their descriptors. Every
+length and count is checked against the bounds below before anything is
+allocated, so a corrupt or hostile frame is rejected with :class:`FrameError`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import math
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, cast
+
+import torch
+
+__all__ = [
+    "HEADER",
+    "MAX_DESCRIPTOR_BYTES",
+    "MAX_MESSAGE_TENSOR_BYTES",
+    "MAX_NDIM",
+    "MAX_PAYLOAD_BYTES",
+    "MAX_TENSORS",
+    "FrameError",
+    "FrameHeader",
+    "Kind",
+    "TensorDescriptor",
+    "decode_descriptors",
+    "decode_header",
+    "encode_descriptors",
+    "encode_header",
+    "recv_exact",
+    "recv_into",
+    "tensor_bytes",
+]
+
+MAGIC: Final = b"TPB1"
+HEADER: Final = struct.Struct("!4sB3xQIII")
+"""magic, kind, message id, payload length, tensor count, descriptor block length."""
+
+_DESCRIPTOR: Final = struct.Struct("!BBhBB2xQ")
+_DIM: Final = struct.Struct("!q")
+
+MAX_PAYLOAD_BYTES: Final = 1 << 31
+"""Largest pickled payload of one frame (2 GiB)."""
+MAX_TENSORS: Final = 1 << 16
+"""Most tensors one frame may carry."""
+MAX_NDIM: Final = 64
+"""Most dimensions of one tensor."""
+MAX_DESCRIPTOR_BYTES: Final = MAX_TENSORS * (_DESCRIPTOR.size + 8 * 8)
+"""Largest descriptor block (room for every tensor with eight dimensions)."""
+MAX_MESSAGE_TENSOR_BYTES: Final = 1 << 40
+"""Largest total of tensor bytes in one frame (1 TiB)."""
+
+_SEND_CHUNK: Final = 1 << 23
+
+
+class Kind(enum.IntEnum):
+    """What a frame carries."""
+
+    REQUEST = 1
+    REPLY = 2
+    ERROR = 3
+    PING = 4
+    PONG = 5
+    GOODBYE = 6
+
+
+class FrameError(ValueError):
+    """A frame that breaks the format or its bounds; the connection must be closed."""
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """A decoded header."""
+
+    kind: Kind
+    msg_id: int
+    payload_len: int
+    tensor_count: int
+    descriptors_len: int
+
+
+@dataclass(frozen=True)
+class TensorDescriptor:
+    """How to allocate a received tensor and where it must land."""
+
+    dtype: torch.dtype
+    device: torch.device
+    shape: tuple[int, ...]
+    nbytes: int
+    requires_grad: bool = False
+
+
+def _dtype_table() -> tuple[torch.dtype, ...]:
+    names = [
+        *("float32", "float64", "float16", "bfloat16", "complex64", "complex128"),
+        *("uint8", "int8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64"),
+        *("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "complex32"),
+    ]
+    found = (getattr(torch, name, None) for name in names)
+    return tuple(dtype for dtype in found if isinstance(dtype, torch.dtype))
+
+
+# Codes are positions in this table; new dtypes go at the end of the names.
+_DTYPES: Final = _dtype_table()
+_DTYPE_CODES: Final = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_DEVICE_TYPES: Final = ("cpu", "cuda")
+_REQUIRES_GRAD: Final = 1
+
+
+def device_index(device: torch.device) -> int:
+    """``device``'s index, ``-1`` when it has none (``cpu``, or ``cuda`` meaning the current one)."""
+    index = cast("int | None", device.index)
+    return -1 if index is None else index
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The wire code of ``dtype``; ``TypeError`` for dtypes that cannot be sent."""
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        raise TypeError(f"tensor dtype {dtype} cannot be sent over RPC; convert it, e.g. with .float()")
+    return code
+
+
+def encode_header(
+    kind: Kind, msg_id: int, payload_len: int, tensor_count: int, descriptors_len: int
+) -> bytes:
+    """Pack a header; values out of bounds raise :class:`FrameError`."""
+    _check_sizes(payload_len, tensor_count, descriptors_len)
+    if not 0 <= msg_id < 1 << 64:
+        raise FrameError(f"message id {msg_id} does not fit in 64 bits")
+    return HEADER.pack(MAGIC, int(kind), msg_id, payload_len, tensor_count, descriptors_len)
+
+
+def _check_sizes(payload_len: int, tensor_count: int, descriptors_len: int) -> None:
+    if payload_len > MAX_PAYLOAD_BYTES:
+        raise FrameError(f"payload of {payload_len} bytes exceeds the limit of {MAX_PAYLOAD_BYTES}")
+    if tensor_count > MAX_TENSORS:
+        raise FrameError(f"{tensor_count} tensors exceed the limit of {MAX_TENSORS} per message")
+    if descriptors_len > MAX_DESCRIPTOR_BYTES:
+        raise FrameError(f"descriptor block of {descriptors_len} bytes exceeds {MAX_DESCRIPTOR_BYTES}")
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
+    """Unpack and check a header of exactly ``HEADER.size`` bytes."""
+    if len(data) != HEADER.size:
+        raise FrameError(f"a header has {HEADER.size} bytes, got {len(data)}")
+    magic, kind, msg_id, payload_len, tensor_count, descriptors_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r}: the peer does not speak this protocol")
+    try:
+        frame_kind = Kind(kind)
+    except ValueError:
+        raise FrameError(f"unknown frame kind {kind}") from None
+    _check_sizes(payload_len, tensor_count, descriptors_len)
+    if tensor_count == 0 and descriptors_len != 0:
+        raise FrameError(f"descriptor block of {descriptors_len} bytes for no tensors")
+    if frame_kind not in (Kind.REQUEST, Kind.REPLY) and tensor_count:
+        raise FrameError(f"a {frame_kind.name} frame carries no tensors, got {tensor_count}")
+    return FrameHeader(frame_kind, msg_id, payload_len, tensor_count, descriptors_len)
+
+
+def encode_descriptors(descriptors: Sequence[TensorDescriptor]) -> bytes:
+    """Pack the descriptor block of a frame."""
+    parts: list[bytes] = []
+    for desc in descriptors:
+        if desc.device.type not in _DEVICE_TYPES:
+            raise TypeError(f"tensors can land on cpu or cuda devices only, not {desc.device}")
+        if len(desc.shape) > MAX_NDIM:
+            raise FrameError(f"a tensor of {len(desc.shape)} dimensions exceeds the limit of {MAX_NDIM}")
+        index = device_index(desc.device)
+        flags = _REQUIRES_GRAD if desc.requires_grad else 0
+        parts.append(
+            _DESCRIPTOR.pack(
+                dtype_code(desc.dtype),
+                _DEVICE_TYPES.index(desc.device.type),
+                index,
+                len(desc.shape),
+                flags,
+                desc.nbytes,
+            )
+        )
+        parts.extend(_DIM.pack(dim) for dim in desc.shape)
+    return b"".join(parts)
+
+
+def decode_descriptors(data: bytes | bytearray | memoryview, count: int) -> list[TensorDescriptor]:
+    """Unpack ``count`` descriptors filling ``data`` exactly, checking every field."""
+    view = memoryview(data)
+    offset = 0
+    total = 0
+    out: list[TensorDescriptor] = []
+    for i in range(count):
+        if offset + _DESCRIPTOR.size > len(view):
+            raise FrameError(f"descriptor {i} is truncated")
+        code, device_type, index, ndim, flags, nbytes = _DESCRIPTOR.unpack_from(view, offset)
+        offset += _DESCRIPTOR.size
+        if code >= len(_DTYPES):
+            raise FrameError(f"descriptor {i}: unknown dtype code {code}")
+        if device_type >= len(_DEVICE_TYPES):
+            raise FrameError(f"descriptor {i}: unknown device type {device_type}")
+        if ndim > MAX_NDIM:
+            raise FrameError(f"descriptor {i}: {ndim} dimensions exceed the limit of {MAX_NDIM}")
+        if flags & ~_REQUIRES_GRAD:
+            raise FrameError(f"descriptor {i}: unknown flags {flags:#x}")
+        if offset + ndim * _DIM.size > len(view):
+            raise FrameError(f"descriptor {i}: shape is truncated")
+        shape = tuple(_DIM.unpack_from(view, offset + k * _DIM.size)[0] for k in range(ndim))
+        offset += ndim * _DIM.size
+        if any(dim < 0 for dim in shape):
+            raise FrameError(f"descriptor {i}: negative dimension in shape {shape}")
+        dtype = _DTYPES[code]
+        expected = math.prod(shape) * dtype.itemsize
+        if nbytes != expected:
+            raise FrameError(f"descriptor {i}: {nbytes} bytes do not match shape {shape} of {dtype}")
+        total += nbytes
+        if total > MAX_MESSAGE_TENSOR_BYTES:
+            raise FrameError(f"tensors of more than {MAX_MESSAGE_TENSOR_BYTES} bytes in one message")
+        kind = _DEVICE_TYPES[device_type]
+        if kind == "cpu" and index != -1:
+            raise FrameError(f"descriptor {i}: cpu device with index {index}")
+        if kind == "cuda" and index < 0:
+            raise FrameError(f"descriptor {i}: cuda device without an index")
+        device = torch.device(kind) if kind == "cpu" else torch.device(kind, index)
+        requires_grad = bool(flags & _REQUIRES_GRAD)
+        if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+            raise FrameError(f"descriptor {i}: requires_grad on a tensor of {dtype}")
+        out.append(TensorDescriptor(dtype, device, shape, nbytes, requires_grad))
+    if offset != len(view):
+        raise FrameError(f"descriptor block has {len(view) - offset} bytes left over")
+    return out
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying; keep ``tensor`` alive while used."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ``EOFError`` when the peer closes first."""
+    received = 0
+    size = len(view)
+    while received < size:
+        count = sock.recv_into(view[received:], size - received)
+        if count == 0:
+            raise EOFError(f"connection closed after {received} of {size} bytes")
+        received += count
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytearray:
+    """Read exactly ``size`` bytes from ``sock``."""
+    buffer = bytearray(size)
+    recv_into(sock, memoryview(buffer))
+    return buffer
+
+
+def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
+    """Send all of ``data`` (bytes, or a view of a tensor's memory) in chunks of at most 8 MiB."""
+    view = memoryview(data)
+    for start in range(0, len(view), _SEND_CHUNK):
+        sock.sendall(view[start : start + _SEND_CHUNK])

@@ -1,0 +1,67 @@
+"""A peer killed mid-call, and a graceful shutdown while calls are in flight (all in spawned workers)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from tpb_workers import (
+    CONTEXT,
+    call_then_shut_down,
+    free_port,
+    graceful_scenario_caller,
+    kill_scenario_caller,
+    options,
+    serve,
+    serve_until,
+    spawned,
+)
+
+from rpc_registry import init_rpc, shutdown
+from tensorpipe_backend import ensure_registered
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_killed_peer_fails_its_pending_calls_within_five_seconds_naming_it() -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    sent, results = CONTEXT.Queue(), CONTEXT.Queue()
+    # Separate events: killing a process that waits on an event breaks that event for the others.
+    killed, release_k1, never = CONTEXT.Event(), CONTEXT.Event(), CONTEXT.Event()
+    targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+        (kill_scenario_caller, (init_method, sent, killed, results, release_k1)),
+        (serve_until, ("k1", 1, 3, init_method, release_k1)),
+        (serve_until, ("k2", 2, 3, init_method, never)),
+    ]
+    with spawned(targets) as workers:
+        assert sent.get(timeout=40) == "sent"
+        workers[2].kill()
+        killed.set()
+        errors, elapsed, survivor, neg = results.get(timeout=30)
+    assert len(errors) == 3 and all(e.startswith("ConnectionError: worker k2") for e in errors), errors
+    assert elapsed < 5.0
+    assert survivor == 1 and neg == [-1.0, -1.0]
+    assert [w.exitcode for w in workers[:2]] == [0, 0]
+
+
+def test_graceful_shutdown_loses_no_call_in_flight() -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results = CONTEXT.Queue()
+    targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+        (graceful_scenario_caller, (init_method, results)),
+        (call_then_shut_down, ("g1", 1, 3, init_method, results)),
+        (serve, ("g2", 2, 3, init_method)),
+    ]
+    with spawned(targets) as workers:
+        reports = dict(results.get(timeout=40) for _ in range(2))
+    assert reports == {"g0": 7, "g1": [0, 1, 2, 3, 10]}
+    assert [w.exitcode for w in workers] == [0, 0, 0]
+
+
+def test_non_graceful_shutdown_is_local_and_fast() -> None:
+    init_rpc("alone", ensure_registered(), 0, 1, options(f"tcp://127.0.0.1:{free_port()}"))
+    start = time.monotonic()
+    shutdown(graceful=False)
+    assert time.monotonic() - start < 2.0

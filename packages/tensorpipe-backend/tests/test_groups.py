@@ -1,0 +1,62 @@
+"""A dynamic group: workers join and leave; every member keeps correct reverse device maps.
+
+Device maps name CUDA devices; torch is made to report two of them in every
+worker (no tensor goes to a GPU here), so that the maps validate on any
+machine and the reverse maps each worker computes can be checked. torch's
+own dynamic join hands every member the joiner's reverse maps instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from tpb_workers import CONTEXT, dynamic_leader, dynamic_member, free_port, options, spawned, whoami
+
+from rpc_registry import get_worker_info, init_rpc, rpc_sync, shutdown
+from tensorpipe_backend import ensure_registered
+
+pytestmark = pytest.mark.timeout(60)
+
+MAPS: dict[str, dict[str, dict[int, int]]] = {
+    "d0": {"d1": {0: 1}, "d2": {1: 1}},
+    "d1": {"d0": {1: 0}, "d2": {0: 1}},
+    "d2": {"d0": {0: 0}, "d1": {1: 0}},
+}
+
+
+def expected_reverse(me: str) -> dict[str, dict[str, str]]:
+    """Each peer's map to ``me``, inverted: what ``me`` needs to reply to it."""
+    return {
+        peer: {f"cuda:{dst}": f"cuda:{src}" for src, dst in maps[me].items()}
+        for peer, maps in MAPS.items()
+        if peer != me and me in maps
+    }
+
+
+def test_members_join_and_leave_with_correct_reverse_maps() -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results = CONTEXT.Queue()
+    leave = [CONTEXT.Event(), CONTEXT.Event()]
+    targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+        (dynamic_leader, (init_method, MAPS["d0"], results, leave)),
+        *((dynamic_member, (f"d{r}", r, init_method, MAPS[f"d{r}"], leave[r - 1])) for r in (1, 2)),
+    ]
+    with spawned(targets, timeout=40) as workers:
+        report = results.get(timeout=50)
+    assert report["joined"] == ["d0", "d1", "d2"]
+    assert report["reverse"] == {name: expected_reverse(name) for name in ("d0", "d1", "d2")}
+    assert report["after_leave"] == ["d0", "d2"]
+    assert "d1" in report["call_to_left"] and report["call_to_left"] != "no error"
+    assert report["d2_still_serves"] == "d2" and report["d2_forgot_d1"] is True
+    assert [w.exitcode for w in workers] == [0, 0, 0]
+
+
+def test_first_dynamic_member_alone_can_call_itself() -> None:
+    init_rpc("solo", ensure_registered(), 0, None, options(f"tcp://127.0.0.1:{free_port()}"))
+    try:
+        assert get_worker_info().name == "solo"
+        assert rpc_sync("solo", whoami) == "solo"
+    finally:
+        shutdown(graceful=True, timeout=10.0)

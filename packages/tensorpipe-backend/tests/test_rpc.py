@@ -1,0 +1,204 @@
+"""Calls, nesting, errors, timeouts and RRefs in a static group of three processes.
+
+This process is w0; w1 and w2 are spawned. The group uses a known secret so
+that the security tests can also act as a client that holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tpb_workers import (
+    TOKEN,
+    add,
+    address,
+    armed_payload,
+    async_double,
+    describe,
+    free_port,
+    nested_add_one,
+    options,
+    pid,
+    raise_key_error,
+    serve,
+    sleep_then,
+    spawned,
+    whoami,
+)
+
+from rpc_registry import RRef, WorkerInfo, get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
+from tensorpipe_backend import TensorPipeAgent, ensure_registered, get_current_agent
+from tensorpipe_backend.auth import AuthenticationError, HandshakeStatus, PeerIdentity, client_handshake
+from tensorpipe_backend.wire import HEADER, Kind, encode_header
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster() -> Iterator[None]:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    targets = [(serve, (f"w{rank}", rank, 3, init_method)) for rank in (1, 2)]
+    with spawned(targets) as workers:
+        init_rpc("w0", ensure_registered(), 0, 3, options(init_method))
+        try:
+            yield
+        finally:
+            shutdown(graceful=True, timeout=30.0)
+    assert [w.exitcode for w in workers] == [0, 0]
+
+
+def test_oversized_frame_from_a_member_closes_only_that_connection() -> None:
+    """A member (w1 and w2 have not connected yet) sending a frame beyond the bounds is cut off."""
+    w1 = rpc_sync("w1", address)
+    with socket.create_connection(w1, timeout=5) as sock:
+        _, status = client_handshake(sock, TOKEN.encode(), PeerIdentity("w2", 2), PeerIdentity("w1", 1))
+        assert status is HandshakeStatus.ACCEPTED
+        sock.sendall(struct.pack("!4sB3xQIII", b"TPB1", 1, 9, 0xFFFFFFFF, 0, 0))
+        assert _closed_by_peer(sock)
+    assert rpc_sync("w1", sleep_then, args=(0.0, 3)) == 3
+    assert rpc_sync("w2", nested_add_one, args=("w1", torch.zeros(1))).item() == 2.0
+
+
+def test_rpc_sync_moves_tensors_and_kwargs() -> None:
+    x, y = torch.arange(6.0).reshape(2, 3), torch.ones(2, 3)
+    assert torch.equal(rpc_sync("w1", add, args=(x, y), kwargs={"scale": 2.0}), (x + y) * 2)
+
+
+def test_rpc_async_future_holds_the_result_from_another_process() -> None:
+    futures = [rpc_async(name, pid) for name in ("w1", "w2")]
+    pids = [f.wait() for f in futures]
+    assert len(set(pids)) == 2 and all(isinstance(p, int) for p in pids)
+
+
+def test_tensor_dtype_shape_grad_and_layout_survive_the_trip() -> None:
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    view = base.t()[1:4]
+    assert rpc_sync("w1", describe, args=(view,)) == ("torch.float64", [3, 4], True, False)
+    assert torch.equal(rpc_sync("w1", torch.clone, args=(view,)), view)
+    grad = torch.ones(3, requires_grad=True)
+    assert rpc_sync("w1", describe, args=(grad,))[3] is True
+    for tensor in (torch.tensor([True, False]), torch.zeros(0, 5), torch.tensor(3, dtype=torch.int8)):
+        assert torch.equal(rpc_sync("w2", torch.clone, args=(tensor,)), tensor)
+
+
+def test_large_tensor_arrives_intact() -> None:
+    big = torch.randn(4_000_000)
+    assert torch.equal(rpc_sync("w1", torch.neg, args=(big,)), -big)
+
+
+def test_nested_call_reaches_a_third_worker() -> None:
+    x = torch.ones(3)
+    assert torch.equal(rpc_sync("w1", nested_add_one, args=("w2", x)), (x + 1) * 2)
+
+
+def test_async_execution_function_replies_later() -> None:
+    result: Any = rpc_sync("w2", async_double, args=("w1", torch.zeros(2)))
+    assert torch.equal(result, torch.full((2,), 2.0))
+
+
+def test_remote_exception_keeps_type_message_and_remote_traceback() -> None:
+    with pytest.raises(KeyError, match="missing-key") as info:
+        rpc_sync("w2", raise_key_error, args=("missing-key",))
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "Raised on the remote worker" in notes and "raise_key_error" in notes
+
+
+def test_timed_out_call_raises_and_the_agent_keeps_working() -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"0\.3 s"):
+        rpc_sync("w1", sleep_then, args=(2.0, 1), timeout=0.3)
+    assert time.monotonic() - start < 1.5
+    assert rpc_sync("w1", sleep_then, args=(0.0, 5)) == 5
+    assert rpc_sync("w1", sleep_then, args=(0.2, 6), timeout=0) == 6
+
+
+def test_calls_from_one_worker_are_handled_in_order() -> None:
+    futures = [rpc_async("w2", sleep_then, args=(0.0, i)) for i in range(50)]
+    assert [f.wait() for f in futures] == list(range(50))
+
+
+def test_rref_value_lives_on_its_owner() -> None:
+    rref: RRef[torch.Tensor] = remote("w1", torch.ones, args=(2,))
+    assert rref.owner() == WorkerInfo("w1", 1)
+    assert torch.equal(rref.to_here(), torch.ones(2))
+    assert torch.equal(rpc_sync("w2", RRef.to_here, args=(rref,)), torch.ones(2))
+
+
+def test_worker_infos_list_the_static_group() -> None:
+    assert get_worker_info("w2") == WorkerInfo("w2", 2)
+    assert [i.name for i in get_current_agent().get_worker_infos()] == ["w0", "w1", "w2"]
+    assert rpc_sync(1, whoami) == "w1"
+    with pytest.raises(ValueError, match="worker_name='nobody'"):
+        get_worker_info("nobody")
+
+
+# Security: the agent must unpickle nothing from a peer that did not prove the secret.
+def _agent() -> TensorPipeAgent:
+    return get_current_agent()
+
+
+def _request_frame(payload: bytes) -> bytes:
+    return encode_header(Kind.REQUEST, 1, len(payload), 0, 0) + payload
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float = 5.0) -> bool:
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_armed_payload_would_create_its_file(tmp_path: Path) -> None:
+    import pickle
+
+    target = tmp_path / "control"
+    pickle.loads(armed_payload(target)).close()
+    assert target.exists()
+
+
+@pytest.mark.parametrize("secret", [None, b"wrong-secret", TOKEN.encode()])
+def test_unauthenticated_pickle_is_never_loaded(tmp_path: Path, secret: bytes | None) -> None:
+    """No handshake, a wrong secret, or the right secret but no group membership: closed unread."""
+    target = tmp_path / "pwned"
+    with socket.create_connection(_agent().address, timeout=5) as sock:
+        if secret is not None:
+            with pytest.raises(AuthenticationError):
+                client_handshake(sock, secret, PeerIdentity("intruder", 7), None)
+        else:
+            sock.sendall(_request_frame(armed_payload(target)) * 4)
+        if secret is not None:
+            with contextlib.suppress(OSError):
+                sock.sendall(_request_frame(armed_payload(target)))
+        assert _closed_by_peer(sock)
+    time.sleep(0.2)
+    assert not target.exists()
+    assert rpc_sync("w1", sleep_then, args=(0.0, 1)) == 1
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=200), cut=st.integers(min_value=0, max_value=HEADER.size))
+def test_random_and_truncated_bytes_never_stop_the_agent(data: bytes, cut: int) -> None:
+    frame = _request_frame(data)[: cut + len(data)]
+    with socket.create_connection(_agent().address, timeout=5) as sock:
+        try:
+            sock.sendall(data + frame)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        assert _closed_by_peer(sock)
+    assert rpc_sync("w2", sleep_then, args=(0.0, 2)) == 2

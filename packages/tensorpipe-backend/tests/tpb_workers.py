@@ -1,0 +1,263 @@
+"""Helpers of the multi-process tests: worker bodies and the functions called remotely.
+
+Spawned workers import this module by name, so everything they run lives here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.synchronize
+import os
+import pickle
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.futures import Future
+
+from rpc_registry import BackendType, get_worker_info, init_rpc, rpc_async, rpc_sync, shutdown
+from rpc_registry.functions import async_execution
+from tensorpipe_backend import TensorPipeRpcBackendOptions, ensure_registered, get_current_agent
+
+TOKEN = "test-secret-of-this-job"
+CONTEXT = multiprocessing.get_context("spawn")
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def backend() -> BackendType:
+    """``BackendType.TENSORPIPE``, found through the entry point or registered from the source tree."""
+    return ensure_registered()
+
+
+def options(init_method: str, **kwargs: Any) -> TensorPipeRpcBackendOptions:
+    """Options with the test secret and a 20 s default timeout, unless overridden."""
+    kwargs.setdefault("rpc_timeout", 20.0)
+    kwargs.setdefault("auth_token", TOKEN)
+    kwargs.setdefault("num_worker_threads", 4)
+    return TensorPipeRpcBackendOptions(init_method=init_method, **kwargs)
+
+
+def fake_cuda_devices(count: int) -> None:
+    """Make torch report ``count`` CUDA devices, so device maps validate on a CPU-only machine."""
+    torch.cuda.device_count = lambda: count
+
+
+@contextmanager
+def spawned(
+    targets: Sequence[tuple[Callable[..., None], tuple[Any, ...]]], timeout: float = 30.0
+) -> Iterator[list[multiprocessing.context.SpawnProcess]]:
+    """Run each ``(target, args)`` in a spawned process; none is left running afterwards."""
+    processes = [CONTEXT.Process(target=target, args=args, daemon=True) for target, args in targets]
+    for process in processes:
+        process.start()
+    try:
+        yield processes
+    finally:
+        for process in processes:
+            process.join(timeout=timeout)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+
+
+# Worker bodies.
+def serve(name: str, rank: int, world_size: int, init_method: str) -> None:
+    """Join a static group and serve until every worker shuts down."""
+    init_rpc(name, backend(), rank, world_size, options(init_method))
+    shutdown(graceful=True, timeout=60.0)
+
+
+def serve_until(name: str, rank: int, world_size: int, init_method: str, done: Any) -> None:
+    """Serve until ``done`` (an Event) is set, then stop without waiting for the others."""
+    init_rpc(name, backend(), rank, world_size, options(init_method))
+    done.wait(60)
+    shutdown(graceful=False)
+
+
+def call_then_shut_down(name: str, rank: int, world_size: int, init_method: str, results: Any) -> None:
+    """Send calls and shut down at once; report what the calls returned after the shutdown."""
+    init_rpc(name, backend(), rank, world_size, options(init_method))
+    futures = [rpc_async("g2", sleep_then, args=(0.3, i)) for i in range(4)]
+    futures.append(rpc_async("g0", sleep_then, args=(0.3, 10)))
+    shutdown(graceful=True, timeout=60.0)
+    results.put((name, [f.value() if f.done() else None for f in futures]))
+
+
+def dynamic_member(
+    name: str,
+    rank: int,
+    init_method: str,
+    device_maps: dict[str, dict[int, int]],
+    leave: multiprocessing.synchronize.Event,
+) -> None:
+    """Join a dynamic group with ``device_maps`` (on 2 fake CUDA devices), leave when told."""
+    fake_cuda_devices(2)
+    init_rpc(name, backend(), rank, None, options(init_method, device_maps=device_maps))
+    leave.wait(60)
+    shutdown(graceful=True, timeout=30.0)
+
+
+# Functions called on other workers.
+def add(x: torch.Tensor, y: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+    """``(x + y) * scale``."""
+    return (x + y) * scale
+
+
+def describe(x: torch.Tensor) -> tuple[str, list[int], bool, bool]:
+    """What arrived: dtype, shape, whether contiguous and whether it requires grad."""
+    return str(x.dtype), list(x.shape), x.is_contiguous(), x.requires_grad
+
+
+def nested_add_one(via: str, x: torch.Tensor) -> torch.Tensor:
+    """Ask ``via`` for ``x + 1`` and return twice that: a call from within a call."""
+    return rpc_sync(via, torch.add, args=(x, 1)) * 2
+
+
+def raise_key_error(key: str) -> None:
+    """Raise ``KeyError(key)`` on the callee."""
+    raise KeyError(key)
+
+
+def sleep_then(seconds: float, value: int) -> int:
+    """Sleep, then return ``value``."""
+    time.sleep(seconds)
+    return value
+
+
+def pid() -> int:
+    """The callee's process id."""
+    return os.getpid()
+
+
+def whoami() -> str:
+    """The callee's worker name."""
+    return get_worker_info().name
+
+
+def address() -> tuple[str, int]:
+    """Where the callee's agent listens."""
+    return get_current_agent().address
+
+
+def reverse_maps() -> dict[str, dict[str, str]]:
+    """The callee agent's reverse device maps, as strings."""
+    maps = get_current_agent().reverse_device_maps
+    return {peer: {str(k): str(v) for k, v in map_.items()} for peer, map_ in maps.items()}
+
+
+@async_execution
+def async_double(via: str, x: torch.Tensor) -> Future[torch.Tensor]:
+    """A future of ``2 * (x + 1)``, computed by ``via``."""
+    fut: Future[torch.Tensor] = rpc_async(via, torch.add, args=(x, 1))
+    return fut.then(lambda f: f.wait() * 2)
+
+
+class CreateFile:
+    """Unpickling this creates a file: what an attacker's payload would do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (open, (str(self.path), "w"))
+
+
+def armed_payload(path: Path) -> bytes:
+    """A pickle that creates ``path`` when loaded."""
+    return pickle.dumps(CreateFile(path))
+
+
+# Scenario drivers: rpc_registry numbers the sessions of a process in its store
+# keys, so a process on its second session cannot meet freshly spawned ones;
+# each multi-process scenario therefore runs entirely in spawned workers.
+def _error_text(fn: Callable[[], object]) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the text is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def kill_scenario_caller(init_method: str, sent: Any, killed: Any, results: Any, release_k1: Any) -> None:
+    """k0: calls k2 (which the test kills) and k1; reports how the calls ended."""
+    init_rpc("k0", backend(), 0, 3, options(init_method))
+    pending = [rpc_async("k2", sleep_then, args=(30.0, i), timeout=0) for i in range(3)]
+    survivor = rpc_async("k1", sleep_then, args=(1.0, 1))
+    time.sleep(0.3)
+    sent.put("sent")
+    killed.wait(30)
+    start = time.monotonic()
+    errors = [_error_text(future.wait) for future in pending]
+    elapsed = time.monotonic() - start
+    neg = rpc_sync("k1", torch.neg, args=(torch.ones(2),))
+    results.put((errors, elapsed, survivor.wait(), neg.tolist()))
+    release_k1.set()
+    shutdown(graceful=False)
+
+
+def graceful_scenario_caller(init_method: str, results: Any) -> None:
+    """g0: sends a slow call and shuts down at once; reports the call's value after shutdown."""
+    init_rpc("g0", backend(), 0, 3, options(init_method))
+    mine = rpc_async("g2", sleep_then, args=(0.5, 7))
+    shutdown(graceful=True, timeout=60.0)
+    results.put(("g0", mine.value() if mine.done() else None))
+
+
+def dynamic_leader(
+    init_method: str, device_maps: dict[str, dict[int, int]], results: Any, leave: list[Any]
+) -> None:
+    """d0: hosts the store; watches d1 and d2 join, checks reverse maps, sees d1 leave."""
+    fake_cuda_devices(2)
+    init_rpc("d0", backend(), 0, None, options(init_method, device_maps=device_maps))
+    agent = get_current_agent()
+    deadline = time.monotonic() + 40
+    while len(agent.get_worker_infos()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report: dict[str, object] = {"joined": [i.name for i in agent.get_worker_infos()]}
+    report["reverse"] = {name: rpc_sync(name, reverse_maps) for name in ("d0", "d1", "d2")}
+    leave[0].set()
+    while "d1" in [i.name for i in agent.get_worker_infos()] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report["after_leave"] = [i.name for i in agent.get_worker_infos()]
+    report["call_to_left"] = _error_text(lambda: rpc_sync("d1", whoami))
+    report["d2_still_serves"] = rpc_sync("d2", whoami)
+    report["d2_forgot_d1"] = "d1" not in rpc_sync("d2", reverse_maps)
+    leave[1].set()
+    # Rank 0 hosts the store: stay until d2 has left the group.
+    while len(agent.get_worker_infos()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutdown(graceful=True, timeout=30.0)
+    results.put(report)
+
+
+def cuda_scenario_caller(init_method: str, results: Any) -> None:
+    """c0: sends a CUDA tensor through a device map and one without a map; reports where they landed."""
+    init_rpc("c0", backend(), 0, 2, options(init_method, device_maps={"c1": {0: 0}}))
+    x = torch.ones(3, device="cuda:0")
+    arrived = rpc_sync("c1", describe_device, args=(x,))
+    back = rpc_sync("c1", torch.neg, args=(x,))
+    no_map = _error_text(lambda: rpc_sync("c1", send_cuda_tensor_to, args=("c0",)))
+    results.put((arrived, str(back.device), back.cpu().tolist(), no_map))
+    shutdown(graceful=True, timeout=30.0)
+
+
+def send_cuda_tensor_to(to: str) -> object:
+    """Send a CUDA tensor to ``to`` (this worker has no device map for it)."""
+    return rpc_sync(to, torch.neg, args=(torch.ones(1, device="cuda:0"),))
+
+
+def describe_device(x: torch.Tensor) -> str:
+    """The device a tensor arrived on."""
+    return str(x.device)
