@@ -17,6 +17,7 @@ from join_core import Join, Joinable, JoinAbortedError, JoinHook
 from join_core.testing import RanksFailedError, run_ranks
 from rpc_registry import BackendType, BackendValue, RRef, WorkerInfo, backend_registered
 from rpc_registry.functions import async_execution
+from tensorpipe_backend import TensorPipeRpcBackendOptions, create_reverse_mapping, validate_device_maps
 
 
 class CounterHook(JoinHook):
@@ -98,6 +99,24 @@ def halve(state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tenso
     assert_type(bucket.buffer(), torch.Tensor)
     assert_type(bucket.divisor(), int)
     return allreduce_hook(state, bucket)
+
+
+def tensorpipe_options() -> TensorPipeRpcBackendOptions:
+    options = TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=60.0, init_method="env://")
+    options.set_device_map("worker1", {0: 1})
+    options.set_devices([0])
+    assert_type(options.rpc_timeout, float)
+    assert_type(options.init_method, str)
+    maps = {"worker0": options.device_maps, "worker1": {}}
+    validate_device_maps(
+        ["worker0", "worker1"], {"worker0": 2, "worker1": 2}, maps, {"worker0": [], "worker1": []}
+    )
+    assert_type(
+        create_reverse_mapping("worker1", ["worker0", "worker1"], maps),
+        dict[str, dict[torch.device, torch.device]],
+    )
+    rpc_registry.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=options)
+    return options
 
 
 def use_rpc() -> None:
