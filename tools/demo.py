@@ -1,141 +1,146 @@
-"""Demo: three local ranks with uneven inputs under join_core.Join.
+"""Demo: a data-parallel training run with uneven inputs on local processes.
 
-Each rank trains a tiny linear model on its own number of batches and
-averages gradients with the others every step. Ranks that run out join early
-and shadow the others' all-reduces; the output shows each rank's progress,
-who joined when, and that every rank ends with the same model.
+Rank 0 hosts a data coordinator that hands out batches by RPC, each rank with
+its own quota, so ranks run out at different times. Every rank trains
+ddp_join.DistributedDataParallel + ZeroRedundancyOptimizer under
+join_core.Join([model, optimizer]); ranks that run out join and shadow the
+others. At the end every rank must hold the same model, equal to a
+single-process run over the same batches.
 
-    python3 tools/dev.py demo [--nproc N] [--batches B]
+    python3 tools/dev.py demo [--nproc N] [--device cpu|cuda] [--backend gloo|nccl]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from join_core import Join, JoinHook
-from join_core.testing import run_ranks
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "integration_tests"))
 
-
-def say(line: str) -> None:
-    # One write per line, so lines of different ranks never interleave.
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-class GradientAverager:
-    """A Joinable that all-reduces a model's gradients each step and carries
-    Join's heartbeat in the same all-reduce (one element more)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.shadowed = 0
-        self.last_joiner = False
-
-    def _all_reduce(self, grads: list[torch.Tensor], signal: float) -> tuple[float, torch.Tensor]:
-        flat = torch.cat([torch.tensor([signal])] + [g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        return float(flat[0]), flat[1:]
-
-    def average_gradients(self) -> None:
-        Join.notify_join_context(self)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()]
-        training, summed = self._all_reduce(grads, Join.heartbeat_signal(self))
-        offset = 0
-        for p in self.model.parameters():
-            p.grad = (summed[offset : offset + p.numel()] / training).view_as(p)
-            offset += p.numel()
-        Join.heartbeat_result(self, training)
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _AveragerHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        group = dist.group.WORLD
-        assert group is not None
-        return group
-
-
-class _AveragerHook(JoinHook):
-    carries_heartbeat = True
-
-    def __init__(self, averager: GradientAverager) -> None:
-        self.averager = averager
-
-    def main_hook(self) -> None:
-        zeros = [torch.zeros_like(p) for p in self.averager.model.parameters()]
-        training, _ = self.averager._all_reduce(zeros, Join.heartbeat_signal(self.averager))
-        Join.heartbeat_result(self.averager, training)
-        if training:
-            self.averager.shadowed += 1
-            say(f"  rank {dist.get_rank()}: joined, shadowing ({training:.0f} still training)")
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        # The last rank to join has the final model: everyone takes it.
-        self.averager.last_joiner = is_last_joiner
-        src = torch.tensor([dist.get_rank() if is_last_joiner else -1])
-        dist.all_reduce(src, op=dist.ReduceOp.MAX)
-        for p in self.averager.model.parameters():
-            dist.broadcast(p.data, src=int(src))
-
-
-def train(rank: int, world_size: int, base: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    averager = GradientAverager(model)
-    batches = base + 2 * rank
-    gen = torch.Generator().manual_seed(rank)
-    start = time.monotonic()
-    with Join([averager]):
-        for step in range(batches):
-            x = torch.randn(8, 4, generator=gen)
-            loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            averager.average_gradients()
-            optimizer.step()
-            say(f"rank {rank}: batch {step + 1}/{batches}  loss {loss.item():.3f}")
-        say(f"rank {rank}: out of inputs after {batches} batches, joining")
-    return {
-        "batches": batches,
-        "shadowed": averager.shadowed,
-        "last_joiner": averager.last_joiner,
-        "seconds": time.monotonic() - start,
-        "weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-    }
+from launch import launch  # noqa: E402
+from training_common import read_results, reference_dense  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--nproc", type=int, default=3, help="number of local ranks (default 3)")
-    parser.add_argument("--batches", type=int, default=4, help="batches of rank 0; rank r has 2r more")
+    parser.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--base", type=int, default=12, help="batches of rank 0 (default 12)")
+    parser.add_argument("--extra", type=int, default=6, help="batches each next rank has more (default 6)")
     args = parser.parse_args(argv)
-    results = run_ranks(train, args.nproc, args.batches, timeout=120.0)
-    print("\nsummary")
+    if args.nproc < 1:
+        parser.error(f"--nproc {args.nproc}: need at least one rank")
+
+    console = Console()
+    console.print(
+        f"[bold]{args.nproc} ranks[/] on {args.device} over {args.backend}; rank r gets "
+        f"{args.base} + {args.extra}*r batches from the coordinator on worker0"
+    )
+    joined: list[int] = []
+    with Progress(
+        TextColumn("rank {task.fields[rank]}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        tasks = {r: progress.add_task("", total=None, rank=r, loss="-") for r in range(args.nproc)}
+
+        def on_line(rank: int, line: str) -> None:
+            try:
+                event: dict[str, Any] = json.loads(line)
+            except json.JSONDecodeError:
+                progress.console.print(f"[dim]rank {rank}:[/] {line.rstrip()}")
+                return
+            if "batch" in event:
+                progress.update(
+                    tasks[rank],
+                    completed=event["batch"],
+                    total=event["batch"] + event["left"],
+                    loss=f"{event['loss']:.4f}",
+                )
+            elif "joined" in event:
+                joined.append(rank)
+                progress.console.print(
+                    f"rank {rank} ran out of inputs after {event['joined']} batches: joined "
+                    f"({len(joined)} of {args.nproc})"
+                )
+
+        with tempfile.TemporaryDirectory() as result_dir:
+            exits = launch(
+                ROOT / "integration_tests" / "train_coordinated.py",
+                args.nproc,
+                [
+                    "--device",
+                    args.device,
+                    "--backend",
+                    args.backend,
+                    "--base",
+                    str(args.base),
+                    "--extra",
+                    str(args.extra),
+                    "--progress",
+                    "--result-dir",
+                    result_dir,
+                ],
+                timeout=120.0,
+                on_line=on_line,
+            )
+            failed = [e for e in exits if e.returncode != 0]
+            if failed:
+                for e in failed:
+                    console.print(f"[red]rank {e.rank} failed (exit {e.returncode})[/]\n{e.output}")
+                return 1
+            results = read_results(Path(result_dir), args.nproc)
+    return summarize(console, results, joined)
+
+
+def summarize(console: Console, results: list[dict[str, Any]], joined: list[int]) -> int:
+    counts = [len(r["batches"]) for r in results]
+    seconds = max(r["seconds"] for r in results)
+    table = Table(title="summary")
+    table.add_column("rank")
+    table.add_column("batches", justify="right")
+    table.add_column("first loss", justify="right")
+    table.add_column("last loss", justify="right")
     for rank, result in enumerate(results):
-        print(
-            f"  rank {rank}: {result['batches']} batches, shadowed {result['shadowed']} iterations, "
-            f"{result['seconds']:.2f} s"
+        table.add_row(
+            str(rank), str(counts[rank]), f"{result['losses'][0]:.4f}", f"{result['losses'][-1]:.4f}"
         )
-    last = [rank for rank, result in enumerate(results) if result["last_joiner"]]
-    print(f"  joined last: rank {', '.join(map(str, last))}")
-    same = all(torch.equal(results[0]["weights"], r["weights"]) for r in results[1:])
-    print(f"  every rank ends with the same model: {'yes' if same else 'NO'}")
-    return 0 if same else 1
+    console.print(table)
+    identical = all(torch.equal(results[0]["params"], r["params"]) for r in results[1:])
+    expected = reference_dense([r["batches"] for r in results], lambda ps: torch.optim.Adam(ps, lr=0.02))
+    matches = torch.allclose(results[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    console.print(
+        f"joined last: rank {joined[-1] if joined else '?'} (most batches: rank {counts.index(max(counts))})"
+    )
+    console.print(f"every rank holds the same model: {'yes' if identical else '[red]NO[/]'}")
+    console.print(
+        f"equal to a single-process run over the same batches: {'yes' if matches else '[red]NO[/]'}"
+    )
+    console.print(
+        f"training: {max(counts)} iterations in {seconds:.2f} s, {max(counts) / seconds:.1f} steps/s"
+    )
+    return 0 if identical and matches else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    start = time.monotonic()
+    code = main(sys.argv[1:])
+    print(f"demo finished in {time.monotonic() - start:.1f} s")
+    sys.exit(code)

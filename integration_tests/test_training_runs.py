@@ -1,0 +1,105 @@
+"""Full training runs composing join-core, ddp-join, rpc-registry and
+tensorpipe-backend, each on 2 to 4 local ranks started by launch.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from launch import launch, session_alive
+from train_param_server import reference as param_server_reference
+from training_common import read_results, reference_dense
+
+HERE = Path(__file__).resolve().parent
+
+DEVICES = pytest.mark.parametrize(
+    "device,backend",
+    [
+        pytest.param("cpu", "gloo", id="cpu-gloo"),
+        pytest.param(
+            "cuda",
+            "gloo",
+            id="cuda-gloo",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+        pytest.param(
+            "cuda",
+            "nccl",
+            id="cuda-nccl",
+            marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices"),
+        ),
+    ],
+)
+
+
+def _ranks(backend: str, wanted: int) -> int:
+    return min(wanted, torch.cuda.device_count()) if backend == "nccl" else wanted
+
+
+def _run(script: str, nproc: int, args: list[str], timeout: float = 240.0) -> None:
+    exits = launch(HERE / script, nproc, args, timeout=timeout)
+    failed = [e for e in exits if e.returncode != 0]
+    assert not failed, "\n".join(f"--- rank {e.rank} (exit {e.returncode}) ---\n{e.output}" for e in failed)
+
+
+@DEVICES
+def test_coordinated_uneven_data_matches_single_process_reference(
+    device: str, backend: str, tmp_path: Path
+) -> None:
+    nproc = _ranks(backend, 3)
+    _run(
+        "train_coordinated.py",
+        nproc,
+        ["--device", device, "--backend", backend, "--result-dir", str(tmp_path)],
+    )
+    results = read_results(tmp_path, nproc)
+    counts = [len(r["batches"]) for r in results]
+    assert len(set(counts)) == nproc, f"ranks should end with different batch counts, got {counts}"
+    for other in results[1:]:
+        assert torch.equal(results[0]["params"], other["params"])
+    expected = reference_dense([r["batches"] for r in results], lambda ps: torch.optim.Adam(ps, lr=0.02))
+    torch.testing.assert_close(results[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    losses = [loss for r in results for loss in r["losses"]]
+    first = sum(r["losses"][0] for r in results) / nproc
+    last = sum(r["losses"][-1] for r in results) / nproc
+    assert last < first, f"loss did not fall: {first:.4f} -> {last:.4f} ({losses})"
+
+
+@DEVICES
+def test_parameter_server_with_ddp_matches_single_process_reference(
+    device: str, backend: str, tmp_path: Path
+) -> None:
+    nproc = _ranks(backend, 3)
+    base, extra = 3, 2
+    args = ["--device", device, "--backend", backend, "--base", str(base), "--extra", str(extra)]
+    _run("train_param_server.py", nproc, [*args, "--result-dir", str(tmp_path)])
+    results = read_results(tmp_path, nproc)
+    assert [r["steps"] for r in results] == [base + r * extra for r in range(nproc)]
+    for other in results[1:]:
+        assert torch.equal(results[0]["dense"], other["dense"])
+        assert torch.equal(results[0]["table"], other["table"])
+    dense, table = param_server_reference(nproc, base, extra)
+    torch.testing.assert_close(results[0]["dense"], dense, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0]["table"], table, rtol=1e-5, atol=1e-6)
+
+
+@DEVICES
+def test_a_rank_failing_inside_join_stops_every_rank(device: str, backend: str) -> None:
+    nproc = _ranks(backend, 3)
+    fail_rank = 1
+    exits = launch(
+        HERE / "train_failure.py",
+        nproc,
+        ["--device", device, "--backend", backend, "--fail-rank", str(fail_rank)],
+        timeout=120.0,
+    )
+    for e in exits:
+        assert e.returncode == 1, f"rank {e.rank} exit {e.returncode}\n{e.output}"
+        assert e.seconds < 30, f"rank {e.rank} took {e.seconds:.0f} s"
+    assert "ValueError: corrupt batch at step 2" in exits[fail_rank].output
+    for e in exits:
+        if e.rank != fail_rank:
+            assert f"JoinAbortedError: Join aborted: rank {fail_rank} raised ValueError" in e.output, e.output
+    # Each rank ran in its own session: nothing of any is left.
+    assert not any(session_alive(e.pid) for e in exits)
