@@ -115,8 +115,10 @@ def launch(
             _kill_session(proc)
             if rank not in ended:
                 ended[rank] = time.monotonic() - start
-        for reader in readers:
+        for reader, proc in zip(readers, procs):
             reader.join(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
         del store
     exits = []
     for rank, proc in enumerate(procs):
