@@ -127,9 +127,13 @@ class _Deadlines:
 
         cell[0] = expire
         fut.add_done_callback(lambda f: settle(lambda: copy_outcome(f, out)))
+        deadline = time.monotonic() + timeout
         with self._cond:
-            heapq.heappush(self._heap, (time.monotonic() + timeout, next(self._seq), cell))
-            self._cond.notify()
+            # Wake the timer thread only if it now has to wake earlier.
+            earliest = not self._heap or deadline < self._heap[0][0]
+            heapq.heappush(self._heap, (deadline, next(self._seq), cell))
+            if earliest:
+                self._cond.notify()
         return out
 
     def stop(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import heapq
 import ipaddress
@@ -57,6 +58,7 @@ from .group import (
     wait_keys,
 )
 from .options import DeviceMap, TensorPipeRpcBackendOptions
+from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles, host_identity, open_tensor
 from .wire import (
     HEADER,
     FrameError,
@@ -164,6 +166,9 @@ def _listen_host(init_method: str) -> str:
         host = os.environ.get("MASTER_ADDR")
     if not host:
         return "127.0.0.1"
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
     try:
         address = socket.getaddrinfo(host, None, family=socket.AF_INET)[0][4][0]
         if ipaddress.ip_address(address).is_loopback:
@@ -179,22 +184,29 @@ def _listen_host(init_method: str) -> str:
 
 
 class _Pending:
-    __slots__ = ("future", "what")
+    __slots__ = ("future", "shm_tokens", "what")
 
     def __init__(self, future: Future[Message], what: str) -> None:
         self.future = future
         self.what = what
+        self.shm_tokens: list[bytes] = []
 
 
 class _Connection:
-    """One authenticated socket to a peer; ``send_lock`` keeps frames whole."""
+    """One authenticated socket to a peer; ``send_lock`` keeps frames whole.
 
-    def __init__(self, peer: WorkerInfo, sock: socket.socket) -> None:
+    ``shm`` is set when the peer is on this host and shares its ``/dev/shm``:
+    large tensors then travel as shared-memory files, both ways.
+    """
+
+    def __init__(self, peer: WorkerInfo, sock: socket.socket, shm: SharedFiles | None = None) -> None:
         self.peer = peer
         self.sock = sock
         self.send_lock = threading.Lock()
         self.pending: dict[int, _Pending] = {}
         self.closed = False
+        self.shm = shm
+        self.reader: int | None = None
 
 
 class _Strand:
@@ -266,6 +278,7 @@ class TensorPipeAgent:
                 self._cuda_count,
                 self._device_maps,
                 options.devices,
+                host_identity(),
             )
             self._spawn(self._accept_loop, "accept")
             self._spawn(self._deadline_loop, "deadlines")
@@ -467,13 +480,16 @@ class TensorPipeAgent:
             if conn.closed:
                 _fail(future, ConnectionError(f"worker {to.name}: the connection closed before sending"))
                 return future
-            conn.pending[msg_id] = _Pending(future, f"rpc {msg_id} to {to.name}")
+            pending = conn.pending[msg_id] = _Pending(future, f"rpc {msg_id} to {to.name}")
             self._in_flight += 1
             if deadline is not None:
+                # Wake the deadline thread only when this deadline comes before all the others.
+                earliest = not self._deadlines or deadline < self._deadlines[0][0]
                 heapq.heappush(self._deadlines, (deadline, next(self._deadline_seq), conn, msg_id, timeout))
-                self._cond.notify_all()
+                if earliest:
+                    self._cond.notify_all()
         try:
-            self._write(conn, Kind.REQUEST, msg_id, message.payload, prepared)
+            self._write(conn, Kind.REQUEST, msg_id, message.payload, prepared, pending.shm_tokens)
         except (OSError, FrameError) as exc:
             self._drop(conn, f"sending to it failed ({exc})")
         return future
@@ -639,7 +655,7 @@ class TensorPipeAgent:
             _close(sock)
             return None
         sock.settimeout(None)
-        conn = _Connection(WorkerInfo(name, record.rank), sock)
+        conn = _Connection(WorkerInfo(name, record.rank), sock, self._shared_files(record, sock))
         with self._cond:
             old = self._conns.get(name)
             self._conns[name] = conn
@@ -684,7 +700,7 @@ class TensorPipeAgent:
                     return HandshakeStatus.DUPLICATE
                 if peer.name in self._dialing and self._me.id < peer.rank:
                     return HandshakeStatus.DUPLICATE
-                new = _Connection(WorkerInfo(peer.name, peer.rank), sock)
+                new = _Connection(WorkerInfo(peer.name, peer.rank), sock, self._shared_files(record, sock))
                 # Nothing may be sent on it before the verdict.
                 new.send_lock.acquire()
                 self._conns[peer.name] = new
@@ -714,6 +730,19 @@ class TensorPipeAgent:
         conn[0].send_lock.release()
         self._read_loop(conn[0])
 
+    def _shared_files(self, record: WorkerRecord, sock: socket.socket) -> SharedFiles | None:
+        """Shared-memory files for an authenticated peer on this host; ``None`` for other peers."""
+        mine = self._records.get(self._me.name)
+        if mine is None or not mine.shm_host or record.shm_host != mine.shm_host:
+            return None
+        try:
+            local, remote = sock.getsockname()[0], sock.getpeername()[0]
+        except OSError:
+            return None
+        if local != remote and not ipaddress.ip_address(remote).is_loopback:
+            return None
+        return SharedFiles()
+
     def _drop(self, conn: _Connection, reason: str) -> None:
         with self._cond:
             conn.closed = True
@@ -724,6 +753,8 @@ class TensorPipeAgent:
             left = self._left.get(conn.peer.name)
             self._cond.notify_all()
         _close(conn.sock)
+        if conn.shm is not None:
+            conn.shm.close()
         name = conn.peer.name
         for entry in pending.values():
             text = f"worker {name} {left}" if left else f"worker {name} (rank {conn.peer.id}): {reason}"
@@ -737,8 +768,17 @@ class TensorPipeAgent:
         msg_id: int,
         payload: bytes,
         prepared: list[tuple[TensorDescriptor, torch.Tensor]],
+        shm_tokens: list[bytes] | None = None,
     ) -> None:
-        descriptors = encode_descriptors([desc for desc, _ in prepared])
+        shm = conn.shm
+        if shm is not None and prepared:
+            prepared = [
+                (dataclasses.replace(desc, shm_token=self._shm_token(shm, data, shm_tokens)), data)
+                if desc.nbytes >= SHM_MIN_BYTES
+                else (desc, data)
+                for desc, data in prepared
+            ]
+        descriptors = encode_descriptors([desc for desc, _ in prepared]) if prepared else b""
         header = encode_header(kind, msg_id, len(payload), len(prepared), len(descriptors))
         with conn.send_lock:
             if conn.closed:
@@ -748,11 +788,55 @@ class TensorPipeAgent:
             else:
                 conn.sock.sendall(header + descriptors)
                 send_all(conn.sock, payload)
-            for _, data in prepared:
-                send_all(conn.sock, tensor_bytes(data))
+            for desc, data in prepared:
+                if not desc.shm_token:
+                    send_all(conn.sock, tensor_bytes(data))
+
+    @staticmethod
+    def _shm_token(shm: SharedFiles, data: torch.Tensor, created: list[bytes] | None) -> bytes:
+        """The token of a fresh shared-memory file holding ``data``; ``created`` collects it."""
+        token = shm.write(tensor_bytes(data))
+        if created is not None:
+            created.append(token)
+        return token
+
+    def _write_small(self, conn: _Connection, kind: Kind, msg_id: int, payload: bytes) -> None:
+        """Write a frame without tensors from the reader thread, which must never wait on the peer.
+
+        When the lock is taken or the socket cannot take the whole frame at
+        once, a worker thread sends (the rest of) it.
+        """
+        frame = encode_header(kind, msg_id, len(payload), 0, 0) + payload
+        if not conn.send_lock.acquire(blocking=False):
+            self._submit(self._write, conn, kind, msg_id, payload, [])
+            return
+        try:
+            if conn.closed:
+                raise ConnectionError(f"the connection to {conn.peer.name} is closed")
+            try:
+                sent = conn.sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+        except BaseException:
+            conn.send_lock.release()
+            raise
+        if sent == len(frame):
+            conn.send_lock.release()
+            return
+        self._submit(self._finish_write, conn, memoryview(frame)[sent:])
+
+    def _finish_write(self, conn: _Connection, rest: memoryview) -> None:
+        """Send the rest of a frame begun by :meth:`_write_small`, then release the lock it holds."""
+        try:
+            conn.sock.sendall(rest)
+        except OSError as exc:
+            logger.debug("%s: writing to %s failed: %s", self._me.name, conn.peer.name, exc)
+        finally:
+            conn.send_lock.release()
 
     def _read_loop(self, conn: _Connection) -> None:
         reason = "the connection closed"
+        conn.reader = threading.get_ident()
         try:
             while True:
                 header = decode_header(recv_exact(conn.sock, HEADER.size))
@@ -762,7 +846,7 @@ class TensorPipeAgent:
                     else []
                 )
                 payload = bytes(recv_exact(conn.sock, header.payload_len))
-                tensors, error = self._receive_tensors(conn.sock, descs)
+                tensors, error = self._receive_tensors(conn, descs)
                 self._dispatch(conn, header.kind, header.msg_id, payload, tensors, error)
         except FrameError as exc:
             reason = f"it sent a malformed frame ({exc})"
@@ -775,16 +859,26 @@ class TensorPipeAgent:
             self._drop(conn, reason)
 
     def _receive_tensors(
-        self, sock: socket.socket, descs: list[TensorDescriptor]
+        self, conn: _Connection, descs: list[TensorDescriptor]
     ) -> tuple[tuple[torch.Tensor, ...], str | None]:
         tensors: list[torch.Tensor] = []
         error: str | None = None
         for desc in descs:
-            try:
-                tensor = torch.empty(desc.shape, dtype=desc.dtype)
-            except RuntimeError as exc:
-                raise FrameError(f"cannot allocate a tensor of shape {desc.shape}: {exc}") from exc
-            recv_into(sock, tensor_bytes(tensor))
+            if desc.shm_token:
+                if conn.shm is None:
+                    raise FrameError("a shared-memory tensor from a peer that is not on this host")
+                try:
+                    tensor = open_tensor(desc.shm_token, desc.dtype, desc.shape, desc.nbytes, unlink=True)
+                except MissingFileError as exc:
+                    # A request file its caller unlinked when the call timed out: not the peer's fault.
+                    error = error or f"{exc}; the call may have timed out"
+                    tensor = torch.empty(0)
+            else:
+                try:
+                    tensor = torch.empty(desc.shape, dtype=desc.dtype)
+                except RuntimeError as exc:
+                    raise FrameError(f"cannot allocate a tensor of shape {desc.shape}: {exc}") from exc
+                recv_into(conn.sock, tensor_bytes(tensor))
             if desc.device.type == "cuda" and error is None:
                 if device_index(desc.device) >= self._cuda_count:
                     error = (
@@ -809,7 +903,7 @@ class TensorPipeAgent:
     ) -> None:
         if kind is Kind.REQUEST:
             if error is not None:
-                self._write(conn, Kind.ERROR, msg_id, error.encode(), [])
+                self._write_small(conn, Kind.ERROR, msg_id, error.encode())
                 return
             self._enqueue(conn, msg_id, Message(payload, tensors))
         elif kind in (Kind.REPLY, Kind.ERROR):
@@ -818,6 +912,8 @@ class TensorPipeAgent:
             if entry is None:
                 logger.debug("%s: late reply %d from %s dropped", self._me.name, msg_id, conn.peer.name)
                 return
+            if conn.shm is not None:
+                conn.shm.release(entry.shm_tokens)
             outcome: Message | BaseException
             if kind is Kind.ERROR:
                 text = payload.decode(errors="replace")
@@ -828,7 +924,7 @@ class TensorPipeAgent:
                 outcome = Message(payload, tensors)
             self._submit(self._complete, entry, outcome)
         elif kind is Kind.PING:
-            self._write(conn, Kind.PONG, msg_id, b"", [])
+            self._write_small(conn, Kind.PONG, msg_id, b"")
         elif kind is Kind.PONG:
             with self._cond:
                 event = self._pings.pop(msg_id, None)
@@ -856,7 +952,8 @@ class TensorPipeAgent:
         finally:
             with self._cond:
                 self._in_flight -= 1
-                self._cond.notify_all()
+                if self._in_flight == 0:  # only idle waits watch the count
+                    self._cond.notify_all()
 
     def _ping(self, name: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -873,14 +970,35 @@ class TensorPipeAgent:
 
     # Incoming requests.
     def _enqueue(self, conn: _Connection, msg_id: int, message: Message) -> None:
+        """Hand a request to the handler, in the order its peer sent it.
+
+        When none of the peer's requests is queued or being handed over, the
+        reader thread calls the handler itself (the RPC layer's handler only
+        decodes the request and schedules the call); otherwise it queues the
+        request for the peer's strand.
+        """
         with self._cond:
             self._in_flight += 1
             strand = self._strands.setdefault(conn.peer.name, _Strand())
-            strand.queue.append((conn, msg_id, message))
-            if strand.running or self._handler is None:
-                return
-            strand.running = True
-        self._submit(self._drain, strand)
+            handler = self._handler
+            if strand.running or strand.queue or handler is None:
+                strand.queue.append((conn, msg_id, message))
+                if strand.running or handler is None:
+                    return
+                strand.running = True
+                handler = None
+        if handler is None:
+            self._submit(self._drain, strand)
+        else:
+            self._handle(handler, conn, msg_id, message)
+
+    def _handle(self, handler: RequestHandler, conn: _Connection, msg_id: int, message: Message) -> None:
+        try:
+            reply = handler(conn.peer, message)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            reply = Future()
+            _fail(reply, exc)
+        reply.add_done_callback(functools.partial(self._send_reply, conn, msg_id))
 
     def _drain(self, strand: _Strand) -> None:
         for _ in range(_STRAND_BATCH):
@@ -891,16 +1009,33 @@ class TensorPipeAgent:
                 conn, msg_id, message = strand.queue.popleft()
                 handler = self._handler
             assert handler is not None
-            try:
-                reply = handler(conn.peer, message)
-            except Exception as exc:  # noqa: BLE001 - reported to the caller
-                reply = Future()
-                _fail(reply, exc)
-            reply.add_done_callback(functools.partial(self._send_reply, conn, msg_id))
+            self._handle(handler, conn, msg_id, message)
         # Let other peers' requests have a worker before continuing with this one.
         self._submit(self._drain, strand)
 
     def _send_reply(self, conn: _Connection, msg_id: int, reply: Future[Message]) -> None:
+        if conn.reader != threading.get_ident():
+            self._send_reply_now(conn, msg_id, reply)
+            return
+        # On the reader thread (the reply was ready at once): it writes only small frames, without waiting.
+        try:
+            message = reply.value()
+        except Exception:  # noqa: BLE001 - the worker thread below reports it
+            message = None
+        if message is None or message.tensors or len(message.payload) > _SMALL_PAYLOAD:
+            self._submit(self._send_reply_now, conn, msg_id, reply)
+            return
+        try:
+            self._write_small(conn, Kind.REPLY, msg_id, message.payload)
+        except (OSError, FrameError) as exc:
+            logger.debug("%s: reply %d to %s lost: %s", self._me.name, msg_id, conn.peer.name, exc)
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                if self._in_flight == 0:  # only idle waits watch the count
+                    self._cond.notify_all()
+
+    def _send_reply_now(self, conn: _Connection, msg_id: int, reply: Future[Message]) -> None:
         try:
             try:
                 message = reply.value()
@@ -918,7 +1053,8 @@ class TensorPipeAgent:
         finally:
             with self._cond:
                 self._in_flight -= 1
-                self._cond.notify_all()
+                if self._in_flight == 0:  # only idle waits watch the count
+                    self._cond.notify_all()
 
     # Per-call timeouts.
     def _deadline_loop(self) -> None:
@@ -935,6 +1071,8 @@ class TensorPipeAgent:
                     self._in_flight -= 1
                     self._cond.notify_all()
             if entry is not None:
+                if conn.shm is not None:
+                    conn.shm.release(entry.shm_tokens)
                 _fail(
                     entry.future,
                     TimeoutError(

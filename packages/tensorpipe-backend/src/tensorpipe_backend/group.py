@@ -51,6 +51,8 @@ class WorkerRecord:
     device_count: int
     device_maps: dict[str, DeviceMap]
     devices: list[torch.device]
+    shm_host: str = ""
+    """The worker's ``shm.host_identity()``: equal on two workers that can share ``/dev/shm`` files."""
 
     def to_json(self) -> str:
         """Serialize for the store."""
@@ -66,6 +68,7 @@ class WorkerRecord:
                     for to, map_ in self.device_maps.items()
                 },
                 "devices": [str(device) for device in self.devices],
+                "shm_host": self.shm_host,
             }
         )
 
@@ -85,6 +88,7 @@ class WorkerRecord:
                     for to, pairs in raw["device_maps"].items()
                 },
                 devices=[torch.device(device) for device in raw["devices"]],
+                shm_host=str(raw.get("shm_host", "")),
             )
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(f"malformed worker record in the store: {exc}") from exc

@@ -7,11 +7,14 @@ raw bytes of each tensor, in order::
     header      magic "TPB1", kind, message id, payload length,
                 tensor count, descriptor block length
     descriptors per tensor: dtype, target device, ndim, flags, byte count, shape
+                and, with the shared-memory flag, a 16-byte file token
     payload     payload-length bytes
     tensor data each tensor's bytes, C-contiguous
 
 Tensors are sent from their own memory (no copy for contiguous CPU tensors)
-and received straight into tensors allocated from their descriptors. Every
+and received straight into tensors allocated from their descriptors. A
+tensor flagged as shared memory has no bytes in the frame: its data is in a
+file of ``/dev/shm`` named by its token (see :mod:`tensorpipe_backend.shm`). Every
 length and count is checked against the bounds below before anything is
 allocated, so a corrupt or hostile frame is rejected with :class:`FrameError`.
 """
@@ -36,6 +39,7 @@ __all__ = [
     "MAX_NDIM",
     "MAX_PAYLOAD_BYTES",
     "MAX_TENSORS",
+    "SHM_TOKEN_BYTES",
     "FrameError",
     "FrameHeader",
     "Kind",
@@ -105,6 +109,8 @@ class TensorDescriptor:
     shape: tuple[int, ...]
     nbytes: int
     requires_grad: bool = False
+    shm_token: bytes = b""
+    """Empty, or the ``SHM_TOKEN_BYTES`` naming the shared-memory file that holds the data."""
 
 
 def _dtype_table() -> tuple[torch.dtype, ...]:
@@ -122,6 +128,10 @@ _DTYPES: Final = _dtype_table()
 _DTYPE_CODES: Final = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _DEVICE_TYPES: Final = ("cpu", "cuda")
 _REQUIRES_GRAD: Final = 1
+_SHARED_MEMORY: Final = 2
+_FLAGS: Final = _REQUIRES_GRAD | _SHARED_MEMORY
+SHM_TOKEN_BYTES: Final = 16
+"""Length of the token naming a tensor's shared-memory file."""
 
 
 def device_index(device: torch.device) -> int:
@@ -186,6 +196,12 @@ def encode_descriptors(descriptors: Sequence[TensorDescriptor]) -> bytes:
             raise FrameError(f"a tensor of {len(desc.shape)} dimensions exceeds the limit of {MAX_NDIM}")
         index = device_index(desc.device)
         flags = _REQUIRES_GRAD if desc.requires_grad else 0
+        if desc.shm_token:
+            if len(desc.shm_token) != SHM_TOKEN_BYTES:
+                raise FrameError(
+                    f"a shared-memory token has {SHM_TOKEN_BYTES} bytes, got {len(desc.shm_token)}"
+                )
+            flags |= _SHARED_MEMORY
         parts.append(
             _DESCRIPTOR.pack(
                 dtype_code(desc.dtype),
@@ -197,6 +213,8 @@ def encode_descriptors(descriptors: Sequence[TensorDescriptor]) -> bytes:
             )
         )
         parts.extend(_DIM.pack(dim) for dim in desc.shape)
+        if desc.shm_token:
+            parts.append(desc.shm_token)
     return b"".join(parts)
 
 
@@ -217,12 +235,18 @@ def decode_descriptors(data: bytes | bytearray | memoryview, count: int) -> list
             raise FrameError(f"descriptor {i}: unknown device type {device_type}")
         if ndim > MAX_NDIM:
             raise FrameError(f"descriptor {i}: {ndim} dimensions exceed the limit of {MAX_NDIM}")
-        if flags & ~_REQUIRES_GRAD:
+        if flags & ~_FLAGS:
             raise FrameError(f"descriptor {i}: unknown flags {flags:#x}")
         if offset + ndim * _DIM.size > len(view):
             raise FrameError(f"descriptor {i}: shape is truncated")
         shape = tuple(_DIM.unpack_from(view, offset + k * _DIM.size)[0] for k in range(ndim))
         offset += ndim * _DIM.size
+        token = b""
+        if flags & _SHARED_MEMORY:
+            if offset + SHM_TOKEN_BYTES > len(view):
+                raise FrameError(f"descriptor {i}: shared-memory token is truncated")
+            token = bytes(view[offset : offset + SHM_TOKEN_BYTES])
+            offset += SHM_TOKEN_BYTES
         if any(dim < 0 for dim in shape):
             raise FrameError(f"descriptor {i}: negative dimension in shape {shape}")
         dtype = _DTYPES[code]
@@ -241,7 +265,9 @@ def decode_descriptors(data: bytes | bytearray | memoryview, count: int) -> list
         requires_grad = bool(flags & _REQUIRES_GRAD)
         if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
             raise FrameError(f"descriptor {i}: requires_grad on a tensor of {dtype}")
-        out.append(TensorDescriptor(dtype, device, shape, nbytes, requires_grad))
+        if token and nbytes == 0:
+            raise FrameError(f"descriptor {i}: an empty tensor in shared memory")
+        out.append(TensorDescriptor(dtype, device, shape, nbytes, requires_grad, token))
     if offset != len(view):
         raise FrameError(f"descriptor block has {len(view) - offset} bytes left over")
     return out
