@@ -3,6 +3,7 @@
 
     python3 tools/dev.py demo [ARGS...]   # the demo (ARGS go to tools/demo.py)
     python3 tools/dev.py test             # lint, types, unit tests, consumer check, ...
+    python3 tools/dev.py bench [ARGS...]  # ours against torch's (not a test: CI times nothing)
 
 Needs only Python 3.10+. The first run creates .venv-tools (hatch) and hatch
 creates one environment per job; later runs reuse them. Environments take
@@ -72,6 +73,10 @@ def demo(args: list[str]) -> int:
     return _run([str(_hatch()), "run", "demo:run", *args])[0]
 
 
+def bench(args: list[str]) -> int:
+    return _run([str(_hatch()), "run", "bench:run", *args])[0]
+
+
 def test() -> int:
     hatch = str(_hatch())
     # (title, command, whether it is a pytest run whose counts are summed)
@@ -115,10 +120,11 @@ def _pytest_counts(output: str) -> tuple[int, int]:
 def main(argv: list[str]) -> int:
     if sys.version_info < (3, 10):  # noqa: UP036 - a clear message for older Pythons
         sys.exit("tools/dev.py needs Python 3.10 or newer")
-    if not argv or argv[0] not in {"demo", "test"}:
+    commands = {"demo": demo, "bench": bench, "test": lambda _: test()}
+    if not argv or argv[0] not in commands:
         print(__doc__)
         return 2
-    return demo(argv[1:]) if argv[0] == "demo" else test()
+    return commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

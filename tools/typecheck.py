@@ -26,7 +26,7 @@ def main() -> int:
     # The integration runs and the tools (the demo imports the launcher) together.
     folders = [f for f in ("integration_tests", "tools") if (ROOT / f).is_dir()]
     print(f"mypy: {', '.join(folders)}", flush=True)
-    env = dict(os.environ, MYPYPATH=str(ROOT / "integration_tests"))
+    env = dict(os.environ, MYPYPATH=f"{ROOT / 'integration_tests'}{os.pathsep}{ROOT / 'tools'}")
     cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "mypy.ini"), *folders]
     if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:
         failed.extend(folders)

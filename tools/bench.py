@@ -1,0 +1,225 @@
+"""Benchmarks: ours against torch's own implementation, in one run.
+
+    python3 tools/dev.py bench [--rounds N] [--quick]
+
+Each figure runs ours and torch's alternately over several rounds inside the
+same two processes (127.0.0.1, gloo, CPU), and reports medians. Writes
+bench/results.md and bench/results.png, prints the table, and exits 1 if a
+goal is missed. Also counts, with torch.profiler, the gloo collectives one
+healthy iteration issues with and without Join.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from bench_rpc import rpc_figures
+from benchlib import Figure, write_results
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from ddp_join import DistributedDataParallel
+from join_core.testing import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10),
+    )
+
+
+def _tiny() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(16, 16)
+
+
+def _trainer(kind: str, make: Callable[[], torch.nn.Module]) -> tuple[Any, torch.optim.Optimizer]:
+    model: Any = DistributedDataParallel(make()) if kind == "ours" else TorchDDP(make())
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _timed_steps(
+    model: Any, optimizer: torch.optim.Optimizer, data: torch.Tensor, steps: int, join: bool
+) -> float:
+    def loop() -> None:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(data).pow(2).mean().backward()
+            optimizer.step()
+
+    dist.barrier()
+    start = time.perf_counter()
+    if join:
+        with model.join():
+            loop()
+    else:
+        loop()
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
+
+
+def _step_times(rank: int, world_size: int, model_name: str, batch: int, steps: int, rounds: int) -> Any:
+    """Seconds per step for ours and torch's, with and without join, per round."""
+    torch.set_num_threads(1)
+    make = _mlp if model_name == "mlp" else _tiny
+    features = 256 if model_name == "mlp" else 16
+    data = torch.randn(batch, features)
+    trainers = {kind: _trainer(kind, make) for kind in ("ours", "torch")}
+    for model, optimizer in trainers.values():
+        _timed_steps(model, optimizer, data, 5, join=False)  # warm-up
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for kind, (model, optimizer) in trainers.items():
+            for join in (False, True):
+                key = f"{kind}{'+join' if join else ''}"
+                times.setdefault(key, []).append(_timed_steps(model, optimizer, data, steps, join))
+    return times
+
+
+def _uneven_tail(rank: int, world_size: int, steps: int, extra: int, rounds: int) -> Any:
+    """Seconds per shadowed iteration on the rank that runs out first."""
+    torch.set_num_threads(1)
+    data = torch.randn(32, 256)
+    trainers = {kind: _trainer(kind, _mlp) for kind in ("ours", "torch")}
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for kind, (model, optimizer) in trainers.items():
+            join = model.join()
+            dist.barrier()
+            with join:
+                for _ in range(steps + (extra if rank == 1 else 0)):
+                    optimizer.zero_grad()
+                    model(data).pow(2).mean().backward()
+                    optimizer.step()
+                start = time.perf_counter()  # rank 0 shadows from here
+            tail = time.perf_counter() - start
+            times.setdefault(kind, []).append(tail / extra)
+    return times
+
+
+def _collectives(rank: int, world_size: int) -> dict[str, int]:
+    """gloo collectives of 5 healthy iterations on Linear(16, 16)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    data = torch.randn(8, 16)
+    counts = {}
+    for kind in ("ours", "torch"):
+        model, optimizer = _trainer(kind, _tiny)
+        for join in (False, True):
+            context: Any = model.join() if join else _Null()
+            with context:
+                model(data).sum().backward()  # warm-up, not counted
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(5):
+                        optimizer.zero_grad()
+                        model(data).pow(2).mean().backward()
+                        optimizer.step()
+            counts[f"{kind}{'+join' if join else ''}"] = sum(
+                1 for event in prof.events() if event.name.startswith("gloo:")
+            )
+    return counts
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def ddp_figures(rounds: int, quick: bool) -> list[Figure]:
+    figures = []
+    for name, model_name, batch, steps in (
+        ("DDP step, MLP 256-1024-1024-10, batch 32", "mlp", 32, 10 if quick else 30),
+        ("DDP step, Linear(16,16), batch 8", "tiny", 8, 50 if quick else 300),
+    ):
+        times = run_ranks(_step_times, 2, model_name, batch, steps, rounds, timeout=900)[0]
+        ours, theirs = _median(times["ours"]), _median(times["torch"])
+        figures.append(
+            Figure(name, "ms/step", ours * 1e3, theirs * 1e3, ">= 1.0x", theirs / ours, ours <= theirs)
+        )
+        if model_name == "tiny":
+            join_ours = _median(times["ours+join"]) / ours - 1
+            join_torch = _median(times["torch+join"]) / theirs - 1
+            figures.append(
+                Figure(
+                    "Join overhead per step, Linear(16,16)",
+                    "% over no join",
+                    join_ours * 100,
+                    join_torch * 100,
+                    "<= 1%",
+                    join_ours * 100,
+                    join_ours <= 0.01,
+                )
+            )
+    tail = run_ranks(_uneven_tail, 2, 5, 10 if quick else 30, rounds, timeout=900)[0]
+    ours, theirs = _median(tail["ours"]), _median(tail["torch"])
+    figures.append(
+        Figure(
+            "uneven tail: time per shadowed iteration",
+            "ms",
+            ours * 1e3,
+            theirs * 1e3,
+            "<= torch",
+            theirs / ours,
+            ours <= theirs,
+        )
+    )
+    counts = run_ranks(_collectives, 2, timeout=300)[0]
+    extra_ours = (counts["ours+join"] - counts["ours"]) / 5
+    extra_torch = (counts["torch+join"] - counts["torch"]) / 5
+    figures.append(
+        Figure(
+            "extra collectives per healthy iteration under join",
+            "gloo ops",
+            extra_ours,
+            extra_torch,
+            "0 extra",
+            extra_ours,
+            extra_ours <= 0,
+        )
+    )
+    return figures
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per figure (default 5)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps per round, for a smoke run")
+    parser.add_argument("--ddp-only", action="store_true", help="skip the RPC figures")
+    args = parser.parse_args(argv)
+    figures = ddp_figures(args.rounds, args.quick)
+    if not args.ddp_only:
+        figures += rpc_figures(args.rounds, args.quick)
+    table = write_results(figures, args.rounds, ROOT / "bench")
+    print(table)
+    missed = [f.name for f in figures if not f.met]
+    if missed:
+        print("goals missed: " + "; ".join(missed))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
