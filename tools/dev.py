@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import venv
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +121,7 @@ def _pytest_counts(output: str) -> tuple[int, int]:
 def main(argv: list[str]) -> int:
     if sys.version_info < (3, 10):  # noqa: UP036 - a clear message for older Pythons
         sys.exit("tools/dev.py needs Python 3.10 or newer")
-    commands = {"demo": demo, "bench": bench, "test": lambda _: test()}
+    commands: dict[str, Callable[[list[str]], int]] = {"demo": demo, "bench": bench, "test": lambda _: test()}
     if not argv or argv[0] not in commands:
         print(__doc__)
         return 2
