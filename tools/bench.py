@@ -82,11 +82,13 @@ def _step_times(rank: int, world_size: int, model_name: str, batch: int, steps: 
     for model, optimizer in trainers.values():
         _timed_steps(model, optimizer, data, 5, join=False)  # warm-up
     times: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        for kind, (model, optimizer) in trainers.items():
-            for join in (False, True):
+    for round_ in range(rounds * 2):
+        # Alternate which goes first, so neither profits from running second.
+        kinds = list(trainers.items())[:: 1 if round_ % 2 == 0 else -1]
+        for kind, (model, optimizer) in kinds:
+            for join in (False, True) if round_ % 2 == 0 else (True, False):
                 key = f"{kind}{'+join' if join else ''}"
-                times.setdefault(key, []).append(_timed_steps(model, optimizer, data, steps, join))
+                times.setdefault(key, []).append(_timed_steps(model, optimizer, data, steps // 2, join))
     return times
 
 
@@ -96,8 +98,8 @@ def _uneven_tail(rank: int, world_size: int, steps: int, extra: int, rounds: int
     data = torch.randn(32, 256)
     trainers = {kind: _trainer(kind, _mlp) for kind in ("ours", "torch")}
     times: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        for kind, (model, optimizer) in trainers.items():
+    for round_ in range(rounds):
+        for kind, (model, optimizer) in list(trainers.items())[:: 1 if round_ % 2 == 0 else -1]:
             join = model.join()
             dist.barrier()
             with join:

@@ -572,16 +572,20 @@ class _DDPJoinHook(JoinHook):
         ddp = self.ddp
         for bucket in ddp._buckets:
             bucket.grads.zero_()
-        first = ddp._buckets[0]
-        ddp._launch(first, training=False)
-        if self.carries_heartbeat:
-            assert first.future is not None
-            total = float(first.future.wait()[0])
-            if not Join.heartbeat_result(ddp, total):
-                ddp._reset_iteration()
-                return  # every rank has joined: nobody reduces the other buckets
-        for bucket in ddp._buckets[1:]:
+        # Every bucket at once, as a training rank issues them. When all ranks
+        # have joined, all of them are here issuing the same, so nothing is
+        # left unmatched even though nobody needed the result.
+        for bucket in ddp._buckets:
             ddp._launch(bucket, training=False)
+        if self.carries_heartbeat:
+            first = ddp._buckets[0].future
+            assert first is not None
+            if not Join.heartbeat_result(ddp, float(first.wait()[0])):
+                for bucket in ddp._buckets[1:]:
+                    assert bucket.future is not None
+                    bucket.future.wait()
+                ddp._reset_iteration()
+                return  # every rank has joined
         ddp._complete(shadow=True)
         ddp._reset_iteration()
 

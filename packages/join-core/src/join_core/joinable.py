@@ -40,8 +40,9 @@ class Joinable(Protocol):
        training, call it once all of the iteration's collectives of this
        joinable have completed: it raises if another rank failed or, with
        ``throw_on_early_termination``, joined. In :meth:`JoinHook.main_hook`,
-       call it right after the carrying all-reduce: when it returns False every
-       rank has joined, and the hook issues nothing more that iteration.
+       call it once the carrying all-reduce completed: when it returns False
+       every rank has joined and is in this same hook, so the hook may stop
+       there or finish the iteration, as long as every rank does the same.
     """
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
