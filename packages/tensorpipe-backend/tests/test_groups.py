@@ -1,4 +1,6 @@
-"""A dynamic group: workers join and leave; every member keeps correct reverse device maps.
+"""Groups: a static group shuts down right after init; in a dynamic group workers join and leave.
+
+In the dynamic group every member keeps correct reverse device maps.
 
 Device maps name CUDA devices; torch is made to report two of them in every
 worker (no tensor goes to a GPU here), so that the maps validate on any
@@ -12,7 +14,16 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from tpb_workers import CONTEXT, dynamic_leader, dynamic_member, free_port, options, spawned, whoami
+from tpb_workers import (
+    CONTEXT,
+    dynamic_leader,
+    dynamic_member,
+    free_port,
+    init_then_shut_down,
+    options,
+    spawned,
+    whoami,
+)
 
 from rpc_registry import get_worker_info, init_rpc, rpc_sync, shutdown
 from tensorpipe_backend import ensure_registered
@@ -60,3 +71,15 @@ def test_first_dynamic_member_alone_can_call_itself() -> None:
         assert rpc_sync("solo", whoami) == "solo"
     finally:
         shutdown(graceful=True, timeout=10.0)
+
+
+def test_shutdown_right_after_init_does_not_time_out() -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results = CONTEXT.Queue()
+    targets = [(init_then_shut_down, (f"s{r}", r, 3, init_method, results)) for r in range(3)]
+    with spawned(targets) as workers:
+        reports = dict(results.get(timeout=40) for _ in range(3))
+    assert sorted(reports) == ["s0", "s1", "s2"]
+    # Well within the 20 s rpc_timeout and the 10 s shutdown timeout the workers use.
+    assert max(reports.values()) < 5.0, reports
+    assert [w.exitcode for w in workers] == [0, 0, 0]

@@ -86,6 +86,14 @@ def serve_until(name: str, rank: int, world_size: int, init_method: str, done: A
     shutdown(graceful=False)
 
 
+def init_then_shut_down(name: str, rank: int, world_size: int, init_method: str, results: Any) -> None:
+    """Join a static group and shut down gracefully at once; report how long the shutdown took."""
+    init_rpc(name, backend(), rank, world_size, options(init_method))
+    start = time.monotonic()
+    shutdown(graceful=True, timeout=10.0)
+    results.put((name, time.monotonic() - start))
+
+
 def call_then_shut_down(name: str, rank: int, world_size: int, init_method: str, results: Any) -> None:
     """Send calls and shut down at once; report what the calls returned after the shutdown."""
     init_rpc(name, backend(), rank, world_size, options(init_method))

@@ -1,9 +1,11 @@
 """tensorpipe-backend: an RPC agent for rpc-registry, registered as the TENSORPIPE backend.
 
 Python calls and tensors move between workers over authenticated TCP
-connections (tensors beside the pickle, straight into preallocated tensors);
-the rendezvous store of ``rpc_registry.init_rpc`` carries names, addresses,
-device maps and barriers. Installed, it is ``rpc_registry``'s default backend.
+connections (tensors beside the pickle, straight into preallocated tensors).
+A static group exchanges names, addresses and device maps and runs its
+barriers over its own gloo group made from the rendezvous store of
+``rpc_registry.init_rpc``; a dynamic group keeps them in the store.
+Installed, it is ``rpc_registry``'s default backend.
 """
 
 from __future__ import annotations

@@ -46,17 +46,7 @@ from .auth import (
     server_handshake,
 )
 from .device_maps import create_device_list, create_reverse_mapping, validate_device_maps
-from .group import (
-    WorkerRecord,
-    members,
-    membership_token,
-    rank_key,
-    record_key,
-    set_members,
-    store_barrier,
-    store_sum_barrier,
-    wait_keys,
-)
+from .group import GlooGroup, WorkerRecord, members, membership_token, record_key, set_members
 from .options import DeviceMap, TensorPipeRpcBackendOptions
 from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles, host_identity, open_tensor
 from .wire import (
@@ -251,7 +241,6 @@ class TensorPipeAgent:
         self._in_flight = 0
         self._handshakes = 0
         self._ids = itertools.count(1)
-        self._barriers = itertools.count()
         self._closed = False
         self._said_goodbye = False
         self._threads: list[threading.Thread] = []
@@ -263,6 +252,7 @@ class TensorPipeAgent:
         self._deadlines: list[tuple[float, int, _Connection, int, float]] = []
         self._deadline_seq = itertools.count()
         self._listener: socket.socket | None = None
+        self._gloo: GlooGroup | None = None
         try:
             self._secret = resolve_secret(
                 options.auth_token, store, rank, world_size is not None, self._init_timeout
@@ -309,13 +299,19 @@ class TensorPipeAgent:
         self._records[record.name] = record
 
     def _join_static(self, record: WorkerRecord, world_size: int) -> None:
-        store, timeout = self._store, self._init_timeout
-        self._publish(record)
-        store.set(rank_key(record.rank), record.name)
-        wait_keys(store, [rank_key(r) for r in range(world_size)], timeout, "every rank to publish its name")
-        names = [store.get(rank_key(r)).decode() for r in range(world_size)]
-        wait_keys(store, [record_key(n) for n in names], timeout, "every worker to publish its address")
-        records = {n: WorkerRecord.from_json(store.get(record_key(n))) for n in names}
+        timeout = self._init_timeout
+        self._records[record.name] = record
+        self._gloo = group = GlooGroup(self._store, record.rank, world_size, timeout)
+        texts = group.all_gather_bytes(record.to_json().encode(), timeout, "the exchange of worker records")
+        parsed = [WorkerRecord.from_json(text) for text in texts]
+        names = [r.name for r in parsed]
+        records = {r.name: r for r in parsed}
+        if len(records) < world_size:
+            duplicate = next(n for n in names if names.count(n) > 1)
+            ranks = [r for r, n in enumerate(names) if n == duplicate]
+            raise ValueError(
+                f"name={duplicate!r}: used by the workers of ranks {ranks}; give every worker a unique name"
+            )
         validate_device_maps(
             names,
             {n: r.device_count for n, r in records.items()},
@@ -330,10 +326,12 @@ class TensorPipeAgent:
             self._cond.notify_all()
         if self._devices and torch.cuda.is_available():
             torch.cuda.init()
-        # Warm-up: every worker reaches rank 0 once, so connections exist before the first shutdown.
+        # Warm-up: every worker reaches rank 0 once, so connections exist before the first shutdown,
+        # and every worker runs the group's collectives once before leaving init_rpc.
         if record.rank != 0:
             self._ping(names[0], timeout)
-        store_barrier(store, "tensorpipe_backend/init", world_size, timeout, "the end of init_rpc")
+        group.all_gather(torch.tensor([record.rank]), timeout, "the warm-up all-gather of init_rpc")
+        group.barrier(timeout, "the end of init_rpc")
 
     def _join_dynamic(self, record: WorkerRecord) -> None:
         store, timeout = self._store, self._init_timeout
@@ -376,9 +374,8 @@ class TensorPipeAgent:
     def _record(self, name: str) -> WorkerRecord | None:
         world_size = self._world_size
         if world_size is not None:
-            # A peer may connect before this worker has read the group's records. Wait for
-            # them rather than read the store: the store client serves one call at a time,
-            # and the init thread may be blocked in a store wait that needs this peer.
+            # A peer may connect before this worker has stored the group's records
+            # (the init thread is between the all-gather and here): wait for them.
             with self._cond:
                 self._cond.wait_for(
                     lambda: name in self._records or len(self._records) >= world_size or self._closed,
@@ -496,18 +493,16 @@ class TensorPipeAgent:
 
     def sync(self) -> None:
         """A barrier of the static group (at most ``rpc_timeout`` s); a dynamic group has none."""
-        if self._world_size is None:
-            return
-        key = f"tensorpipe_backend/sync/{next(self._barriers)}"
-        store_barrier(self._store, key, self._world_size, self._rpc_timeout, "sync()")
+        if self._world_size is not None:
+            self._static_group().barrier(self._rpc_timeout, "sync()")
 
     def join(self, shutdown: bool = False, timeout: float = 0) -> None:
         """Wait until no worker has a call in flight (``timeout`` s, ``0``: no limit).
 
-        A static group repeats a store barrier that sums every worker's calls
-        in flight until a round sums to zero. A worker of a dynamic group
-        waits for its own calls, then (with ``shutdown=True``) leaves the
-        group, telling its peers.
+        A static group repeats an all-reduce over its gloo group that sums
+        every worker's calls in flight until a round sums to zero. A worker
+        of a dynamic group waits for its own calls, then (with
+        ``shutdown=True``) leaves the group, telling its peers.
         """
         deadline = time.monotonic() + timeout if timeout > 0 else None
         if self._world_size is None:
@@ -515,25 +510,15 @@ class TensorPipeAgent:
             if shutdown:
                 self._leave(deadline)
             return
-        base = f"tensorpipe_backend/join/{next(self._barriers)}"
-        for round_ in itertools.count():
-            active = self._active()
+        group, what = self._static_group(), "a shutdown barrier with no call in flight"
+        while True:
             remaining = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
-            total = store_sum_barrier(
-                self._store, f"{base}/{round_}", self._world_size, active, remaining, "a shutdown barrier"
-            )
-            if total == 0:
+            if group.all_reduce_sum(self._active(), remaining, what) == 0:
                 break
             with self._cond:
                 self._cond.wait_for(lambda: self._in_flight == 0, timeout=0.05)
         if shutdown:
             self._goodbye("has shut down")
-            self._store.add(f"{base}/left", 1)
-            # Rank 0 hosts the store: it stays until every worker is past its last store call.
-            while self._me.id == 0 and self._store.add(f"{base}/left", 0) < self._world_size:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {timeout:g} s for every worker to pass the shutdown barrier")
-                time.sleep(0.01)
 
     def shutdown(self) -> None:
         """Close every connection and stop the threads; pending calls fail naming their peer."""
@@ -541,6 +526,12 @@ class TensorPipeAgent:
         self._close_now()
 
     # Shutdown helpers.
+    def _static_group(self) -> GlooGroup:
+        group = self._gloo
+        if group is None:
+            raise RuntimeError(f"{self._me.name}: the agent is shut down")
+        return group
+
     def _active(self) -> int:
         with self._cond:
             return self._in_flight
@@ -584,6 +575,9 @@ class TensorPipeAgent:
             self._listener.close()
         for conn in conns:
             self._drop(conn, f"this worker ({self._me.name}) shut down")
+        if self._gloo is not None:
+            self._gloo.close()
+            self._gloo = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         current = threading.current_thread()
         for thread in list(self._threads):

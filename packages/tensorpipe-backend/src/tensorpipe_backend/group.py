@@ -1,7 +1,10 @@
-"""Group state in the rendezvous store: worker records, barriers and the membership token.
+"""Group state: worker records, the static group's gloo collectives, the dynamic group's token.
 
-Records are JSON, never pickle: anyone who can reach the store can write
-to it, and reading a record must not run code.
+A static group exchanges its records and runs its barriers over its own gloo
+process group (torch's default process group is left alone); a dynamic group
+keeps its records and membership in the rendezvous store. Records are JSON,
+never pickle: anyone who can reach the store or the group can send bytes,
+and reading a record must not run code.
 """
 
 from __future__ import annotations
@@ -9,35 +12,37 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Final
+from typing import Final, Protocol, cast
 
 import torch
-from torch.distributed.distributed_c10d import Store
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions
+from torch.distributed.distributed_c10d import (
+    PrefixStore,
+    ProcessGroupGloo,
+    Store,
+    Work,
+)
 
 from .options import DeviceMap
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WorkerRecord", "members", "store_barrier", "membership_token"]
+__all__ = ["GlooGroup", "WorkerRecord", "members", "membership_token"]
 
 _PREFIX: Final = "tensorpipe_backend"
 MEMBERS_KEY: Final = f"{_PREFIX}/members"
 _TOKEN_KEY: Final = f"{_PREFIX}/token"
+_GLOO_PREFIX: Final = f"{_PREFIX}/gloo"
 _UNLIMITED: Final = 3600.0 * 24
 
 
 def record_key(name: str) -> str:
     """Store key of worker ``name``'s record."""
     return f"{_PREFIX}/worker/{name}"
-
-
-def rank_key(rank: int) -> str:
-    """Store key holding the name of the worker of ``rank``."""
-    return f"{_PREFIX}/rank/{rank}"
 
 
 @dataclass(frozen=True)
@@ -98,26 +103,97 @@ def _seconds(timeout: float) -> float:
     return timeout if timeout > 0 else _UNLIMITED
 
 
-def wait_keys(store: Store, keys: list[str], timeout: float, what: str) -> None:
-    """Wait until ``keys`` exist; ``TimeoutError`` naming ``what`` after ``timeout`` s (0: no limit)."""
-    try:
-        store.wait(keys, timedelta(seconds=_seconds(timeout)))
-    except RuntimeError as exc:
-        raise TimeoutError(f"waited {timeout:g} s for {what}; it did not happen ({exc})") from exc
+class _Collectives(Protocol):
+    """The collectives of ``ProcessGroupGloo`` used here; torch's stubs declare them on ``ProcessGroup`` only."""
+
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: AllgatherOptions,
+    ) -> Work: ...
+    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> Work: ...
+    def barrier(self, opts: BarrierOptions) -> Work: ...
 
 
-def store_barrier(store: Store, key: str, world_size: int, timeout: float, what: str) -> None:
-    """Block until ``world_size`` workers reached barrier ``key`` (at most ``timeout`` s; 0: no limit)."""
-    if store.add(f"{key}/arrived", 1) == world_size:
-        store.set(f"{key}/done", "1")
-    wait_keys(store, [f"{key}/done"], timeout, f"all {world_size} workers to reach {what}")
+class GlooGroup:
+    """A static group's own gloo process group, made from the rendezvous store.
 
+    Every collective waits at most ``timeout`` seconds (0: no limit) and
+    raises ``TimeoutError`` naming what it waited for. :meth:`close` releases
+    the group's threads and connections.
+    """
 
-def store_sum_barrier(store: Store, key: str, world_size: int, value: int, timeout: float, what: str) -> int:
-    """A barrier that also sums one ``value`` per worker; returns the sum."""
-    store.add(f"{key}/sum", value)
-    store_barrier(store, key, world_size, timeout, what)
-    return store.add(f"{key}/sum", 0)
+    def __init__(self, store: Store, rank: int, world_size: int, timeout: float) -> None:
+        self.world_size = world_size
+        try:
+            group = ProcessGroupGloo(
+                PrefixStore(_GLOO_PREFIX, store), rank, world_size, timedelta(seconds=_seconds(timeout))
+            )
+        except RuntimeError as exc:
+            raise TimeoutError(
+                f"rank {rank}: waited {timeout:g} s for all {world_size} workers to connect their gloo "
+                f"group; it did not happen ({exc})"
+            ) from exc
+        self._group: _Collectives | None = cast(_Collectives, group)
+
+    def _run(self, start: Callable[[_Collectives, timedelta], Work], timeout: float, what: str) -> None:
+        group = self._group
+        if group is None:
+            raise RuntimeError(f"cannot wait for {what}: the group's gloo process group is closed")
+        limit = timedelta(seconds=_seconds(timeout))
+        try:
+            start(group, limit).wait(limit)
+        except RuntimeError as exc:
+            raise TimeoutError(
+                f"waited {timeout:g} s for all {self.world_size} workers to reach {what}; "
+                f"it did not happen ({exc})"
+            ) from exc
+
+    def all_gather(self, tensor: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor]:
+        """Every worker's ``tensor`` (all of one shape and dtype), by rank."""
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+
+        def start(group: _Collectives, limit: timedelta) -> Work:
+            opts = AllgatherOptions()
+            opts.timeout = limit
+            return group.allgather([out], [tensor], opts)
+
+        self._run(start, timeout, what)
+        return out
+
+    def all_gather_bytes(self, data: bytes, timeout: float, what: str) -> list[bytes]:
+        """Every worker's ``data``, by rank: the lengths, then the bytes padded to the longest."""
+        lengths = [int(n) for n in self.all_gather(torch.tensor([len(data)]), timeout, what)]
+        padded = torch.tensor(list(data.ljust(max(lengths), b"\0")), dtype=torch.uint8)
+        chunks = self.all_gather(padded, timeout, what)
+        return [bytes(chunk[:n].tolist()) for chunk, n in zip(chunks, lengths)]
+
+    def all_reduce_sum(self, value: int, timeout: float, what: str) -> int:
+        """The sum of every worker's ``value``."""
+        tensor = torch.tensor([value])
+
+        def start(group: _Collectives, limit: timedelta) -> Work:
+            opts = AllreduceOptions()
+            opts.timeout = limit
+            return group.allreduce([tensor], opts)
+
+        self._run(start, timeout, what)
+        return int(tensor)
+
+    def barrier(self, timeout: float, what: str) -> None:
+        """Block until every worker reached this barrier."""
+
+        def start(group: _Collectives, limit: timedelta) -> Work:
+            opts = BarrierOptions()
+            opts.timeout = limit
+            return group.barrier(opts)
+
+        self._run(start, timeout, what)
+
+    def close(self) -> None:
+        """Release the gloo group: its threads stop and its connections close."""
+        self._group = None
 
 
 def members(store: Store) -> list[str]:
