@@ -92,6 +92,24 @@ def _step_times(rank: int, world_size: int, model_name: str, batch: int, steps: 
     return times
 
 
+def _join_overhead(rank: int, world_size: int, pairs: int, steps: int) -> dict[str, list[float]]:
+    """Per kind, the ratio of a run with join to the run without it next to it,
+    for ``pairs`` adjacent pairs in alternating order: slow drifts of the
+    machine cancel out within a pair."""
+    torch.set_num_threads(1)
+    data = torch.randn(8, 16)
+    trainers = {kind: _trainer(kind, _tiny) for kind in ("ours", "torch")}
+    for model, optimizer in trainers.values():
+        _timed_steps(model, optimizer, data, 20, join=False)  # warm-up
+    ratios: dict[str, list[float]] = {kind: [] for kind in trainers}
+    for pair in range(pairs):
+        for kind, (model, optimizer) in trainers.items():
+            order = (False, True) if pair % 2 == 0 else (True, False)
+            times = {join: _timed_steps(model, optimizer, data, steps, join) for join in order}
+            ratios[kind].append(times[True] / times[False])
+    return ratios
+
+
 def _uneven_tail(rank: int, world_size: int, steps: int, extra: int, rounds: int) -> Any:
     """Seconds per shadowed iteration on the rank that runs out first."""
     torch.set_num_threads(1)
@@ -160,8 +178,9 @@ def ddp_figures(rounds: int, quick: bool) -> list[Figure]:
             Figure(name, "ms/step", ours * 1e3, theirs * 1e3, ">= 1.0x", theirs / ours, ours <= theirs)
         )
         if model_name == "tiny":
-            join_ours = _median(times["ours+join"]) / ours - 1
-            join_torch = _median(times["torch+join"]) / theirs - 1
+            ratios = run_ranks(_join_overhead, 2, 10 if quick else 30, 50 if quick else 100, timeout=900)[0]
+            join_ours = _median(ratios["ours"]) - 1
+            join_torch = _median(ratios["torch"]) - 1
             figures.append(
                 Figure(
                     "Join overhead per step, Linear(16,16)",
