@@ -10,6 +10,19 @@ import torch
 import torch.distributed as dist
 
 
+def resolve_group(process_group: dist.ProcessGroup | None, who: str) -> dist.ProcessGroup:
+    """``process_group``, or the world when it is None; a clear error before
+    ``init_process_group``."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{who}: the default process group is not initialized; "
+            "call torch.distributed.init_process_group() first"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None
+    return group
+
+
 def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
     """The global rank of ``group_rank`` in ``group`` (collectives take global ranks)."""
     if group is dist.group.WORLD:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from ddp_join._groups import global_rank
+from ddp_join._groups import global_rank, resolve_group
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook
 from join_core import Join, JoinHook
 
@@ -109,14 +109,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         gradient_as_bucket_view: bool = False,
     ) -> None:
         super().__init__()
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "DistributedDataParallel: the default process group is not initialized; "
-                "call torch.distributed.init_process_group() first"
-            )
-        group = process_group if process_group is not None else dist.group.WORLD
-        assert group is not None
-        self.process_group: dist.ProcessGroup = group
+        self.process_group = group = resolve_group(process_group, "DistributedDataParallel")
         self.module: ModuleT = module
         self._params = [p for p in module.parameters() if p.requires_grad]
         if not self._params:

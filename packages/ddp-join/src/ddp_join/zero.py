@@ -8,7 +8,7 @@ from typing import Any, overload
 import torch
 import torch.distributed as dist
 
-from ddp_join._groups import gather_objects, global_rank
+from ddp_join._groups import gather_objects, global_rank, resolve_group
 from join_core import Join, JoinHook
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -52,14 +52,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         parameters_as_bucket_view: bool = False,
         **defaults: Any,
     ) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer: the default process group is not initialized; "
-                "call torch.distributed.init_process_group() first"
-            )
-        group = process_group if process_group is not None else dist.group.WORLD
-        assert group is not None
-        self.process_group: dist.ProcessGroup = group
+        self.process_group = group = resolve_group(process_group, "ZeroRedundancyOptimizer")
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.optimizer_class = optimizer_class

@@ -944,10 +944,7 @@ class TensorPipeAgent:
             else:
                 entry.future.set_result(outcome)
         finally:
-            with self._cond:
-                self._in_flight -= 1
-                if self._in_flight == 0:  # only idle waits watch the count
-                    self._cond.notify_all()
+            self._reply_sent()
 
     def _ping(self, name: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -1024,10 +1021,14 @@ class TensorPipeAgent:
         except (OSError, FrameError) as exc:
             logger.debug("%s: reply %d to %s lost: %s", self._me.name, msg_id, conn.peer.name, exc)
         finally:
-            with self._cond:
-                self._in_flight -= 1
-                if self._in_flight == 0:  # only idle waits watch the count
-                    self._cond.notify_all()
+            self._reply_sent()
+
+    def _reply_sent(self) -> None:
+        """One call fewer in flight; wake the idle waits when none is left."""
+        with self._cond:
+            self._in_flight -= 1
+            if self._in_flight == 0:  # only idle waits watch the count
+                self._cond.notify_all()
 
     def _send_reply_now(self, conn: _Connection, msg_id: int, reply: Future[Message]) -> None:
         try:
@@ -1045,10 +1046,7 @@ class TensorPipeAgent:
         except (OSError, FrameError) as exc:
             logger.debug("%s: reply %d to %s lost: %s", self._me.name, msg_id, conn.peer.name, exc)
         finally:
-            with self._cond:
-                self._in_flight -= 1
-                if self._in_flight == 0:  # only idle waits watch the count
-                    self._cond.notify_all()
+            self._reply_sent()
 
     # Per-call timeouts.
     def _deadline_loop(self) -> None:
