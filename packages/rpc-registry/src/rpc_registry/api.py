@@ -91,50 +91,56 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown persistent id kind {kind!r}")
 
 
+class _Call:
+    """A call's result future, settled once: by its reply or by its deadline."""
+
+    __slots__ = ("result", "what")
+
+    def __init__(self, result: Future[Any], what: str) -> None:
+        self.result: Future[Any] | None = result
+        self.what = what
+
+
 class _Deadlines:
-    """One thread that fails futures whose timeout passed."""
+    """One thread that fails calls whose timeout passed."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, list[Callable[[], None] | None]]] = []
+        self._settle = threading.Lock()
+        self._heap: list[tuple[float, int, float, _Call]] = []
+        self._live = 0
         self._seq = itertools.count()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="rpc-registry-timeouts", daemon=True)
         self._thread.start()
 
-    def bound(self, fut: Future[T], timeout: float, what: str) -> Future[T]:
-        """A future like ``fut`` that fails with ``TimeoutError`` after ``timeout`` s (0: never)."""
+    def add(self, result: Future[Any], timeout: float, what: str) -> _Call:
+        """Track ``result``: it fails with ``TimeoutError`` after ``timeout`` s unless settled first."""
+        call = _Call(result, what)
+        with self._settle:
+            self._live += 1
         if timeout <= 0:
-            return fut
-        out: Future[T] = Future()
-        lock = threading.Lock()
-        # The heap keeps only this cell; clearing it lets the reply be freed early.
-        cell: list[Callable[[], None] | None] = [None]
-
-        def settle(apply: Callable[[], None]) -> None:
-            with lock:
-                if out.done():
-                    return
-                cell[0] = None
-                apply()
-
-        def expire() -> None:
-            error = TimeoutError(
-                f"{what}: no reply within {timeout:g} s; pass a larger timeout, "
-                "or timeout=0 to wait without limit"
-            )
-            settle(lambda: fail(out, error))
-
-        cell[0] = expire
-        fut.add_done_callback(lambda f: settle(lambda: copy_outcome(f, out)))
+            return call
         deadline = time.monotonic() + timeout
         with self._cond:
             # Wake the timer thread only if it now has to wake earlier.
             earliest = not self._heap or deadline < self._heap[0][0]
-            heapq.heappush(self._heap, (deadline, next(self._seq), cell))
+            heapq.heappush(self._heap, (deadline, next(self._seq), timeout, call))
             if earliest:
                 self._cond.notify()
-        return out
+            elif len(self._heap) > 1024 and len(self._heap) > 4 * self._live:
+                # Settled calls leave their deadline behind: drop those, keep the heap small.
+                self._heap = [entry for entry in self._heap if entry[3].result is not None]
+                heapq.heapify(self._heap)
+        return call
+
+    def claim(self, call: _Call) -> Future[Any] | None:
+        """The call's future if this is the first claim (its settler completes it), else ``None``."""
+        with self._settle:
+            result, call.result = call.result, None
+            if result is not None:
+                self._live -= 1
+        return result
 
     def stop(self) -> None:
         with self._cond:
@@ -150,10 +156,17 @@ class _Deadlines:
                     self._cond.wait(delay)
                 if self._stopped:
                     return
-                callback = heapq.heappop(self._heap)[2][0]
-            if callback is not None:
-                callback()
-            del callback  # keep no finished call alive in this frame
+                _, _, timeout, call = heapq.heappop(self._heap)
+            result = self.claim(call)
+            if result is not None:
+                fail(
+                    result,
+                    TimeoutError(
+                        f"{call.what}: no reply within {timeout:g} s; pass a larger timeout, "
+                        "or timeout=0 to wait without limit"
+                    ),
+                )
+            del result, call  # keep no finished call alive in this frame
 
 
 def _failure(exc: BaseException) -> tuple[str, object, str]:
@@ -173,6 +186,7 @@ class _RpcState:
         self.agent = agent
         self._me = agent.get_worker_info()
         self.executor = ThreadPoolExecutor(_NUM_WORKER_THREADS, thread_name_prefix="rpc-registry")
+        self.inline = bool(getattr(agent, "handler_may_block", False))
         self.deadlines = _Deadlines()
         self.rrefs = RRefContext(self)
 
@@ -237,38 +251,51 @@ class _RpcState:
     # Caller side.
     def request(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Future[Any]:
         result: Future[Any] = Future()
-        encoded = self.encode(request, to)
-        what = f"rpc from {self._me.name} to {to.name} ({_describe(request)})"
+        call = self.deadlines.add(result, timeout, f"rpc from {self._me.name} to {to.name} ({_describe(request)})")
+        try:
+            encoded = self.encode(request, to)
+        except BaseException:
+            self.deadlines.claim(call)
+            raise
 
         def send(done: Future[Message]) -> None:
             try:
                 message = done.wait()
                 if to == self._me:
-                    reply = self.handle(self._me, message)
+                    reply = self.handle(self._me, message, inline=False)
                 else:
                     reply = self.agent.send(to, message, timeout)
             except Exception as exc:  # noqa: BLE001 - reported to the caller
-                fail(result, exc)
+                self._settle(call, None, exc)
                 return
-            reply.add_done_callback(lambda r: self._complete(r, result))
+            reply.add_done_callback(lambda r: self._complete(r, call))
 
         encoded.add_done_callback(send)
-        return self.deadlines.bound(result, timeout, what)
+        return result
 
-    def _complete(self, reply: Future[Message], result: Future[Any]) -> None:
+    def _settle(self, call: _Call, value: object, error: BaseException | None) -> None:
+        result = self.deadlines.claim(call)
+        if result is None:
+            return  # timed out before
+        if error is None:
+            result.set_result(value)
+        else:
+            fail(result, error)
+
+    def _complete(self, reply: Future[Message], call: _Call) -> None:
         try:
             status, *body = self.decode(reply.wait())
         except Exception as exc:  # noqa: BLE001 - reported to the caller
-            fail(result, exc)
+            self._settle(call, None, exc)
             return
         if status == "ok":
-            result.set_result(body[0])
+            self._settle(call, body[0], None)
             return
         error, remote_traceback = body
         add_note = getattr(error, "add_note", None)
         if add_note is not None:
             add_note(f"Raised on the remote worker:\n{remote_traceback}")
-        fail(result, error)
+        self._settle(call, None, error)
 
     def remote(
         self,
@@ -288,10 +315,14 @@ class _RpcState:
         return self.rrefs.track_user(RRef._make(self.rrefs, to, rref_id, fork_id, created))
 
     # Callee side.
-    def handle(self, sender: WorkerInfo, message: Message) -> Future[Message]:
-        """The agent's request handler; bookkeeping happens before it returns."""
+    def handle(self, sender: WorkerInfo, message: Message, inline: bool | None = None) -> Future[Message]:
+        """The agent's request handler; bookkeeping happens before it returns.
+
+        A call runs in the calling thread when ``inline`` (default: when the
+        agent's ``handler_may_block``), else on this module's worker threads.
+        """
         try:
-            outcome = self._dispatch(self.decode(message))
+            outcome = self._dispatch(self.decode(message), self.inline if inline is None else inline)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             outcome = Future()
             fail(outcome, exc)
@@ -299,14 +330,14 @@ class _RpcState:
         outcome.add_done_callback(lambda f: self._reply(f, sender, reply))
         return reply
 
-    def _dispatch(self, request: tuple[Any, ...]) -> Future[Any]:
+    def _dispatch(self, request: tuple[Any, ...], inline: bool) -> Future[Any]:
         kind = request[0]
         if kind == "call":
-            return self.run(*request[1:])
+            return self.run(*request[1:], inline=inline)
         if kind == "remote":
             func, args, kwargs, rref_id, fork_id = request[1:]
             value = self.rrefs.create_owned(rref_id, fork_id)
-            self.run(func, args, kwargs).add_done_callback(lambda f: copy_outcome(f, value))
+            self.run(func, args, kwargs, inline=inline).add_done_callback(lambda f: copy_outcome(f, value))
             return completed(None)
         if kind == "fetch":
             return self.rrefs.value_of(request[1])
@@ -329,8 +360,10 @@ class _RpcState:
             encoded = self.encode(_failure(exc), dest)
         encoded.add_done_callback(lambda e: copy_outcome(e, reply))
 
-    def run(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Future[Any]:
-        """Run ``func`` on a worker thread; an ``async_execution`` result is awaited."""
+    def run(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], inline: bool = False
+    ) -> Future[Any]:
+        """Run ``func`` here (``inline``) or on a worker thread; an ``async_execution`` result is awaited."""
         out: Future[Any] = Future()
 
         def job() -> None:
@@ -349,7 +382,10 @@ class _RpcState:
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 fail(out, exc)
 
-        self.executor.submit(job)
+        if inline:
+            job()
+        else:
+            self.executor.submit(job)
         return out
 
     def close(self) -> None:

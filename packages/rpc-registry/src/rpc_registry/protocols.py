@@ -71,6 +71,12 @@ class RpcAgent(Protocol):
     peer in the order that peer sent them (as one TCP stream would), so that
     reference-counting messages are never reordered. Calls to oneself never
     reach the agent; the API handles them in process.
+
+    An agent may also have ``handler_may_block = True``: it promises to call
+    the handler on a thread that may block without stalling the agent, and the
+    API then runs the called function in the handler itself (no hop to its own
+    worker threads). Without the attribute, the handler only decodes the
+    request and schedules the call.
     """
 
     @property

@@ -50,17 +50,13 @@ from .group import GlooGroup, WorkerRecord, members, membership_token, record_ke
 from .options import DeviceMap, TensorPipeRpcBackendOptions
 from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles, host_identity, open_tensor
 from .wire import (
-    HEADER,
     FrameError,
+    FrameReader,
     Kind,
     TensorDescriptor,
-    decode_descriptors,
-    decode_header,
     device_index,
     encode_descriptors,
     encode_header,
-    recv_exact,
-    recv_into,
     send_all,
     tensor_bytes,
 )
@@ -76,9 +72,13 @@ _HANDSHAKE_TIMEOUT: Final = 30.0
 _MAX_HANDSHAKES: Final = 64
 _SMALL_PAYLOAD: Final = 1 << 16
 _STRAND_BATCH: Final = 32
+_WATCH_TICK: Final = 0.005
+_WATCH_IDLE_TICKS: Final = 200
+_BATCH_BYTES: Final = 1 << 16
 _KEEPALIVE: Final = {"TCP_KEEPIDLE": 1, "TCP_KEEPINTVL": 1, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 4000}
 
 _current: weakref.ref[TensorPipeAgent] | None = None
+_local = threading.local()  # .reading: (connection, reader token) while a reader thread processes a frame
 
 
 def get_current_agent() -> TensorPipeAgent:
@@ -187,16 +187,28 @@ class _Connection:
 
     ``shm`` is set when the peer is on this host and shares its ``/dev/shm``:
     large tensors then travel as shared-memory files, both ways.
+
+    One thread at a time reads it: the one whose token is ``reader``. That
+    thread also processes each frame it reads (runs the request, completes
+    the reply's future); ``busy`` numbers the frame it is processing (``0``
+    while it reads). A reader busy for a whole watch tick, or one that sends
+    a call of its own (and will likely wait for its reply), hands the socket
+    to a new reader thread and ends when its frame is done.
     """
 
     def __init__(self, peer: WorkerInfo, sock: socket.socket, shm: SharedFiles | None = None) -> None:
         self.peer = peer
         self.sock = sock
+        self.stream = FrameReader(sock)
         self.send_lock = threading.Lock()
+        self.batch: list[bytes] = []  # small replies the reader writes in one go (under send_lock)
         self.pending: dict[int, _Pending] = {}
         self.closed = False
         self.shm = shm
-        self.reader: int | None = None
+        self.role_lock = threading.Lock()
+        self.reader = object()
+        self.busy = 0
+        self.seen = 0
 
 
 class _Strand:
@@ -215,6 +227,11 @@ class TensorPipeAgent:
     group. The constructor returns once this worker is reachable and, in a
     static group, every worker has checked the group's device maps.
     """
+
+    handler_may_block: Final = True
+    """The request handler may run the called function before it returns (see
+    ``rpc_registry.protocols.RpcAgent``): a reader thread that processes a frame
+    for a whole watch tick, or calls out, hands its socket to a new reader."""
 
     def __init__(
         self,
@@ -253,6 +270,9 @@ class TensorPipeAgent:
         self._deadline_seq = itertools.count()
         self._listener: socket.socket | None = None
         self._gloo: GlooGroup | None = None
+        self._busy_seq = itertools.count(1)
+        self._watch_idle = False
+        self._watch_wake = threading.Event()
         try:
             self._secret = resolve_secret(
                 options.auth_token, store, rank, world_size is not None, self._init_timeout
@@ -272,6 +292,7 @@ class TensorPipeAgent:
             )
             self._spawn(self._accept_loop, "accept")
             self._spawn(self._deadline_loop, "deadlines")
+            self._spawn(self._watch_loop, "watch")
             if world_size is not None:
                 self._join_static(record, world_size)
             else:
@@ -462,6 +483,11 @@ class TensorPipeAgent:
         """Send a request to ``to``; the future holds the reply or an error naming ``to``."""
         if self._closed:
             raise RuntimeError(f"{self._me.name}: the agent is shut down; call init_rpc() again to send")
+        reading = getattr(_local, "reading", None)
+        if reading is not None:
+            # A reader thread calling out will likely wait for the reply: another thread reads meanwhile.
+            _local.reading = None
+            self._hand_off(*reading)
         future: Future[Message] = Future()
         with self._cond:
             reason = self._left.get(to.name)
@@ -485,6 +511,10 @@ class TensorPipeAgent:
                 heapq.heappush(self._deadlines, (deadline, next(self._deadline_seq), conn, msg_id, timeout))
                 if earliest:
                     self._cond.notify_all()
+                if len(self._deadlines) > 1024 and len(self._deadlines) > 4 * self._in_flight:
+                    # Answered calls leave their deadline behind: drop those, keep the heap small.
+                    self._deadlines = [d for d in self._deadlines if d[3] in d[2].pending]
+                    heapq.heapify(self._deadlines)
         try:
             self._write(conn, Kind.REQUEST, msg_id, message.payload, prepared, pending.shm_tokens)
         except (OSError, FrameError) as exc:
@@ -571,6 +601,7 @@ class TensorPipeAgent:
             self._closed = True
             conns = list(self._conns.values())
             self._cond.notify_all()
+        self._watch_wake.set()
         if self._listener is not None:
             self._listener.close()
         for conn in conns:
@@ -656,7 +687,7 @@ class TensorPipeAgent:
             self._cond.notify_all()
         if old is not None and old is not conn:
             self._drop(old, "replaced by a new connection")
-        self._spawn(self._read_loop, f"read-{name}", conn)
+        self._spawn(self._read_loop, f"read-{name}", conn, conn.reader)
         return conn
 
     def _accept_loop(self) -> None:
@@ -722,7 +753,7 @@ class TensorPipeAgent:
             return
         sock.settimeout(None)
         conn[0].send_lock.release()
-        self._read_loop(conn[0])
+        self._read_loop(conn[0], conn[0].reader)
 
     def _shared_files(self, record: WorkerRecord, sock: socket.socket) -> SharedFiles | None:
         """Shared-memory files for an authenticated peer on this host; ``None`` for other peers."""
@@ -794,54 +825,39 @@ class TensorPipeAgent:
             created.append(token)
         return token
 
-    def _write_small(self, conn: _Connection, kind: Kind, msg_id: int, payload: bytes) -> None:
-        """Write a frame without tensors from the reader thread, which must never wait on the peer.
+    def _flush(self, conn: _Connection) -> None:
+        """Write the replies the reader batched."""
+        with conn.send_lock:
+            if not conn.batch:
+                return
+            data, conn.batch = b"".join(conn.batch), []
+            if not conn.closed:
+                conn.sock.sendall(data)
 
-        When the lock is taken or the socket cannot take the whole frame at
-        once, a worker thread sends (the rest of) it.
-        """
-        frame = encode_header(kind, msg_id, len(payload), 0, 0) + payload
-        if not conn.send_lock.acquire(blocking=False):
-            self._submit(self._write, conn, kind, msg_id, payload, [])
-            return
-        try:
-            if conn.closed:
-                raise ConnectionError(f"the connection to {conn.peer.name} is closed")
-            try:
-                sent = conn.sock.send(frame, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                sent = 0
-        except BaseException:
-            conn.send_lock.release()
-            raise
-        if sent == len(frame):
-            conn.send_lock.release()
-            return
-        self._submit(self._finish_write, conn, memoryview(frame)[sent:])
-
-    def _finish_write(self, conn: _Connection, rest: memoryview) -> None:
-        """Send the rest of a frame begun by :meth:`_write_small`, then release the lock it holds."""
-        try:
-            conn.sock.sendall(rest)
-        except OSError as exc:
-            logger.debug("%s: writing to %s failed: %s", self._me.name, conn.peer.name, exc)
-        finally:
-            conn.send_lock.release()
-
-    def _read_loop(self, conn: _Connection) -> None:
+    def _read_loop(self, conn: _Connection, token: object) -> None:
+        """Read and process frames while this thread holds ``conn``'s reader token."""
         reason = "the connection closed"
-        conn.reader = threading.get_ident()
+        stream = conn.stream
         try:
             while True:
-                header = decode_header(recv_exact(conn.sock, HEADER.size))
-                descs = (
-                    decode_descriptors(recv_exact(conn.sock, header.descriptors_len), header.tensor_count)
-                    if header.tensor_count
-                    else []
-                )
-                payload = bytes(recv_exact(conn.sock, header.payload_len))
+                if not stream.has_frame():
+                    self._flush(conn)  # about to wait for the peer: what was batched goes out first
+                header, descs, payload = stream.read_frame()
                 tensors, error = self._receive_tensors(conn, descs)
-                self._dispatch(conn, header.kind, header.msg_id, payload, tensors, error)
+                with conn.role_lock:
+                    conn.busy = next(self._busy_seq)
+                if self._watch_idle:
+                    self._watch_idle = False
+                    self._watch_wake.set()
+                _local.reading = (conn, token)
+                try:
+                    self._dispatch(conn, header.kind, header.msg_id, payload, tensors, error)
+                finally:
+                    _local.reading = None
+                with conn.role_lock:
+                    if conn.reader is not token:
+                        return  # another thread reads now
+                    conn.busy = 0
         except FrameError as exc:
             reason = f"it sent a malformed frame ({exc})"
             logger.warning("%s: closing the connection to %s: %s", self._me.name, conn.peer.name, reason)
@@ -850,7 +866,48 @@ class TensorPipeAgent:
                 "the connection closed" if isinstance(exc, EOFError) else f"the connection failed ({exc})"
             )
         finally:
-            self._drop(conn, reason)
+            if conn.reader is token:
+                self._drop(conn, reason)
+
+    def _hand_off(self, conn: _Connection, token: object) -> None:
+        """Give ``conn`` a new reader thread if ``token``'s holder is processing a frame."""
+        with conn.role_lock:
+            if conn.reader is not token or not conn.busy or conn.closed:
+                return
+            conn.reader = token = object()
+            conn.busy = conn.seen = 0
+        self._spawn(self._read_loop, f"read-{conn.peer.name}", conn, token)
+        if conn.batch:
+            self._submit(self._flush, conn)
+
+    def _watch_loop(self) -> None:
+        """Every tick, move each connection whose reader was busy all tick long to a new reader."""
+        quiet = 0
+        while not self._closed:
+            time.sleep(_WATCH_TICK)
+            with self._cond:
+                conns = list(self._conns.values())
+            stuck = []
+            for conn in conns:
+                with conn.role_lock:
+                    if conn.busy and conn.busy == conn.seen:
+                        stuck.append((conn, conn.reader))
+                    conn.seen = conn.busy
+            for conn, token in stuck:
+                self._hand_off(conn, token)
+            if any(conn.busy for conn in conns):
+                quiet = 0
+                continue
+            quiet += 1
+            if quiet < _WATCH_IDLE_TICKS:
+                continue
+            # Idle: sleep until a reader starts processing (it sets the event when it sees the flag).
+            self._watch_wake.clear()
+            self._watch_idle = True
+            if not any(conn.busy for conn in conns):
+                self._watch_wake.wait()
+            self._watch_idle = False
+            quiet = 0
 
     def _receive_tensors(
         self, conn: _Connection, descs: list[TensorDescriptor]
@@ -872,7 +929,7 @@ class TensorPipeAgent:
                     tensor = torch.empty(desc.shape, dtype=desc.dtype)
                 except RuntimeError as exc:
                     raise FrameError(f"cannot allocate a tensor of shape {desc.shape}: {exc}") from exc
-                recv_into(conn.sock, tensor_bytes(tensor))
+                conn.stream.read_into(tensor_bytes(tensor))
             if desc.device.type == "cuda" and error is None:
                 if device_index(desc.device) >= self._cuda_count:
                     error = (
@@ -897,7 +954,7 @@ class TensorPipeAgent:
     ) -> None:
         if kind is Kind.REQUEST:
             if error is not None:
-                self._write_small(conn, Kind.ERROR, msg_id, error.encode())
+                self._write(conn, Kind.ERROR, msg_id, error.encode(), [])
                 return
             self._enqueue(conn, msg_id, Message(payload, tensors))
         elif kind in (Kind.REPLY, Kind.ERROR):
@@ -916,9 +973,9 @@ class TensorPipeAgent:
                 outcome = RuntimeError(f"the reply to {entry.what} cannot be placed here: {error}")
             else:
                 outcome = Message(payload, tensors)
-            self._submit(self._complete, entry, outcome)
+            self._complete(entry, outcome)
         elif kind is Kind.PING:
-            self._write_small(conn, Kind.PONG, msg_id, b"")
+            self._write(conn, Kind.PONG, msg_id, b"", [])
         elif kind is Kind.PONG:
             with self._cond:
                 event = self._pings.pop(msg_id, None)
@@ -1005,21 +1062,27 @@ class TensorPipeAgent:
         self._submit(self._drain, strand)
 
     def _send_reply(self, conn: _Connection, msg_id: int, reply: Future[Message]) -> None:
-        if conn.reader != threading.get_ident():
+        reading = getattr(_local, "reading", None)
+        if reading is None or reading[0] is not conn or not conn.stream.has_frame():
             self._send_reply_now(conn, msg_id, reply)
             return
-        # On the reader thread (the reply was ready at once): it writes only small frames, without waiting.
+        # The reader has more frames at hand: a small reply waits for the others, one write for all.
         try:
             message = reply.value()
-        except Exception:  # noqa: BLE001 - the worker thread below reports it
+        except Exception:  # noqa: BLE001 - _send_reply_now reports it
             message = None
         if message is None or message.tensors or len(message.payload) > _SMALL_PAYLOAD:
-            self._submit(self._send_reply_now, conn, msg_id, reply)
+            self._send_reply_now(conn, msg_id, reply)
             return
+        frame = encode_header(Kind.REPLY, msg_id, len(message.payload), 0, 0) + message.payload
         try:
-            self._write_small(conn, Kind.REPLY, msg_id, message.payload)
-        except (OSError, FrameError) as exc:
-            logger.debug("%s: reply %d to %s lost: %s", self._me.name, msg_id, conn.peer.name, exc)
+            with conn.send_lock:
+                conn.batch.append(frame)
+                size = sum(map(len, conn.batch))
+            if size >= _BATCH_BYTES:
+                self._flush(conn)
+        except OSError as exc:
+            logger.debug("%s: replies to %s lost: %s", self._me.name, conn.peer.name, exc)
         finally:
             self._reply_sent()
 
@@ -1034,10 +1097,13 @@ class TensorPipeAgent:
         try:
             try:
                 message = reply.value()
-                reverse = self.reverse_device_maps.get(conn.peer.name, {})
-                prepared = [
-                    prepare_tensor(t, reverse, conn.peer.name, is_request=False) for t in message.tensors
-                ]
+                prepared = []
+                if message.tensors:
+                    with self._cond:
+                        reverse = self._reverse_maps.get(conn.peer.name, {})
+                    prepared = [
+                        prepare_tensor(t, reverse, conn.peer.name, is_request=False) for t in message.tensors
+                    ]
                 self._write(conn, Kind.REPLY, msg_id, message.payload, prepared)
             except (OSError, FrameError):
                 raise

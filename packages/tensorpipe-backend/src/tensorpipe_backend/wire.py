@@ -42,6 +42,7 @@ __all__ = [
     "SHM_TOKEN_BYTES",
     "FrameError",
     "FrameHeader",
+    "FrameReader",
     "Kind",
     "TensorDescriptor",
     "decode_descriptors",
@@ -72,6 +73,7 @@ MAX_MESSAGE_TENSOR_BYTES: Final = 1 << 40
 """Largest total of tensor bytes in one frame (1 TiB)."""
 
 _SEND_CHUNK: Final = 1 << 23
+_READ_BUFFER: Final = 1 << 18
 
 
 class Kind(enum.IntEnum):
@@ -297,6 +299,75 @@ def recv_exact(sock: socket.socket, size: int) -> bytearray:
     buffer = bytearray(size)
     recv_into(sock, memoryview(buffer))
     return buffer
+
+
+class FrameReader:
+    """Reads frames from a socket through one buffer, so that one ``recv`` may bring many small frames.
+
+    Tensor data is copied out of the buffer as far as it is there, and the
+    rest received straight into the tensor's memory.
+    """
+
+    def __init__(self, sock: socket.socket, size: int = _READ_BUFFER) -> None:
+        self._sock = sock
+        self._buffer = bytearray(size)
+        self._view = memoryview(self._buffer)
+        self._start = 0
+        self._end = 0
+
+    def has_frame(self) -> bool:
+        """Whether a whole header, descriptor block and payload are buffered (no ``recv`` needed)."""
+        available = self._end - self._start
+        if available < HEADER.size:
+            return False
+        _, _, _, payload_len, _, descriptors_len = HEADER.unpack_from(self._view, self._start)
+        return bool(available >= HEADER.size + descriptors_len + payload_len)
+
+    def read_frame(self) -> tuple[FrameHeader, list[TensorDescriptor], bytes]:
+        """The next frame's header, descriptors and payload; its tensor data follows (see ``read_into``)."""
+        self._fill(HEADER.size)
+        header = decode_header(self._view[self._start : self._start + HEADER.size])
+        self._start += HEADER.size
+        descriptors = (
+            decode_descriptors(self.read_bytes(header.descriptors_len), header.tensor_count)
+            if header.tensor_count
+            else []
+        )
+        return header, descriptors, self.read_bytes(header.payload_len)
+
+    def read_bytes(self, size: int) -> bytes:
+        """The next ``size`` bytes."""
+        if size <= len(self._buffer):
+            self._fill(size)
+            out = bytes(self._view[self._start : self._start + size])
+            self._start += size
+            return out
+        large = bytearray(size)
+        self.read_into(memoryview(large))
+        return bytes(large)
+
+    def read_into(self, view: memoryview) -> None:
+        """Fill ``view``: the buffered bytes first, then straight from the socket."""
+        if not view:
+            return
+        count = min(len(view), self._end - self._start)
+        view[:count] = self._view[self._start : self._start + count]
+        self._start += count
+        if count < len(view):
+            recv_into(self._sock, view[count:])
+
+    def _fill(self, need: int) -> None:
+        if self._end - self._start >= need:
+            return
+        if self._start + need > len(self._buffer):
+            kept = self._end - self._start
+            self._view[:kept] = self._view[self._start : self._end]
+            self._start, self._end = 0, kept
+        while self._end - self._start < need:
+            count = self._sock.recv_into(self._view[self._end :])
+            if count == 0:
+                raise EOFError(f"connection closed after {self._end - self._start} of {need} bytes")
+            self._end += count
 
 
 def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
