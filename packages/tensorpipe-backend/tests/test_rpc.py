@@ -28,6 +28,7 @@ from tpb_workers import (
     free_port,
     nested_add_one,
     options,
+    peer_transports,
     pid,
     raise_key_error,
     serve,
@@ -99,6 +100,26 @@ def test_large_tensor_arrives_intact() -> None:
 def test_nested_call_reaches_a_third_worker() -> None:
     x = torch.ones(3)
     assert torch.equal(rpc_sync("w1", nested_add_one, args=("w2", x)), (x + 1) * 2)
+
+
+def test_call_back_to_the_caller_from_within_a_call() -> None:
+    # w1 runs the call on the thread that reads w0's socket; w0's reply to the inner call must still be read.
+    x = torch.ones(3)
+    assert torch.equal(rpc_sync("w1", nested_add_one, args=("w0", x), timeout=10), (x + 1) * 2)
+
+
+def test_a_slow_call_does_not_hold_up_the_next_one_from_the_same_worker() -> None:
+    slow = rpc_async("w1", sleep_then, args=(2.0, 1))
+    start = time.monotonic()
+    assert rpc_sync("w1", sleep_then, args=(0.0, 2)) == 2
+    assert time.monotonic() - start < 1.0
+    assert slow.wait() == 1
+
+
+def test_workers_on_one_host_talk_over_unix_sockets() -> None:
+    rpc_sync("w2", pid)
+    assert get_current_agent().peer_transports == {"w1": "unix", "w2": "unix"}
+    assert rpc_sync("w1", peer_transports)["w0"] == "unix"
 
 
 def test_async_execution_function_replies_later() -> None:

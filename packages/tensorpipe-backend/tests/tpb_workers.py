@@ -133,6 +133,11 @@ def nested_add_one(via: str, x: torch.Tensor) -> torch.Tensor:
     return rpc_sync(via, torch.add, args=(x, 1)) * 2
 
 
+def peer_transports() -> dict[str, str]:
+    """How the callee reaches each of its peers."""
+    return get_current_agent().peer_transports
+
+
 def raise_key_error(key: str) -> None:
     """Raise ``KeyError(key)`` on the callee."""
     raise KeyError(key)

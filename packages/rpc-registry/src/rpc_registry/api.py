@@ -18,6 +18,7 @@ import re
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -169,6 +170,35 @@ class _Deadlines:
             del result, call  # keep no finished call alive in this frame
 
 
+_PLAIN_LEAVES: Final = frozenset(
+    {int, float, complex, bool, str, bytes, type(None), type, types.FunctionType, types.BuiltinFunctionType}
+)
+_PLAIN_BUDGET: Final = 64
+
+
+def _is_plain(obj: object, budget: int) -> int:
+    """What is left of ``budget`` after looking at ``obj``; negative when ``obj`` may hold a
+    tensor or an RRef (or has more than ``budget`` parts, not worth the look)."""
+    kind = type(obj)
+    if kind in _PLAIN_LEAVES:
+        return budget - 1
+    if kind is tuple or kind is list:
+        budget -= 1
+        for item in obj:  # type: ignore[attr-defined]
+            budget = _is_plain(item, budget)
+            if budget < 0:
+                return budget
+        return budget
+    if kind is dict:
+        budget -= 1
+        for key, value in obj.items():  # type: ignore[attr-defined]
+            budget = _is_plain(value, _is_plain(key, budget))
+            if budget < 0:
+                return budget
+        return budget
+    return -1
+
+
 def _failure(exc: BaseException) -> tuple[str, object, str]:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
@@ -219,12 +249,19 @@ class _RpcState:
     # Encoding.
     def encode(self, obj: object, dest: WorkerInfo) -> Future[Message]:
         """Pickle ``obj`` for ``dest``; completes once forks it creates are known to their owners."""
+        if _is_plain(obj, _PLAIN_BUDGET) >= 0:
+            # Nothing in it can be a tensor or an RRef: the C pickler alone.
+            return completed(Message(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
         buffer = io.BytesIO()
         pickler = _Pickler(buffer, self.rrefs, dest)
         pickler.dump(obj)
         message = Message(buffer.getvalue(), tuple(pickler.tensors))
         if not pickler.forks:
             return completed(message)
+        return self._after_forks(message, pickler)
+
+    def _after_forks(self, message: Message, pickler: _Pickler) -> Future[Message]:
+        """``message`` once the owners of the RRefs ``pickler`` forked know of the forks."""
         registrations = [
             self.request(owner, ("fork", rref_id, fork_id), self.agent.rpc_timeout)
             for owner, rref_id, fork_id in pickler.forks
@@ -251,7 +288,9 @@ class _RpcState:
     # Caller side.
     def request(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Future[Any]:
         result: Future[Any] = Future()
-        call = self.deadlines.add(result, timeout, f"rpc from {self._me.name} to {to.name} ({_describe(request)})")
+        call = self.deadlines.add(
+            result, timeout, f"rpc from {self._me.name} to {to.name} ({_describe(request)})"
+        )
         try:
             encoded = self.encode(request, to)
         except BaseException:
@@ -261,7 +300,7 @@ class _RpcState:
         def send(done: Future[Message]) -> None:
             try:
                 message = done.wait()
-                if to == self._me:
+                if to.name == self._me.name:
                     reply = self.handle(self._me, message, inline=False)
                 else:
                     reply = self.agent.send(to, message, timeout)
@@ -270,8 +309,20 @@ class _RpcState:
                 return
             reply.add_done_callback(lambda r: self._complete(r, call))
 
-        encoded.add_done_callback(send)
+        if encoded.done():
+            send(encoded)
+        else:
+            encoded.add_done_callback(send)
         return result
+
+    def _call_now(self, request: tuple[Any, ...], sender: WorkerInfo) -> Future[Message]:
+        """Run a plain call in this thread and encode its reply (no future until the reply)."""
+        _, func, args, kwargs = request
+        try:
+            payload: tuple[object, ...] = ("ok", func(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            payload = _failure(exc)
+        return self._encode_reply(payload, sender)
 
     def _settle(self, call: _Call, value: object, error: BaseException | None) -> None:
         result = self.deadlines.claim(call)
@@ -321,19 +372,28 @@ class _RpcState:
         A call runs in the calling thread when ``inline`` (default: when the
         agent's ``handler_may_block``), else on this module's worker threads.
         """
+        inline = self.inline if inline is None else inline
         try:
-            outcome = self._dispatch(self.decode(message), self.inline if inline is None else inline)
+            request = self.decode(message)
+            if inline and request[0] == "call" and not is_async_execution(request[1]):
+                return self._call_now(request, sender)
+            outcome = self._dispatch(request, inline)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             outcome = Future()
             fail(outcome, exc)
+        if outcome.done():
+            return self._reply(outcome, sender)
         reply: Future[Message] = Future()
-        outcome.add_done_callback(lambda f: self._reply(f, sender, reply))
+        outcome.add_done_callback(
+            lambda f: self._reply(f, sender).add_done_callback(lambda e: copy_outcome(e, reply))
+        )
         return reply
 
     def _dispatch(self, request: tuple[Any, ...], inline: bool) -> Future[Any]:
         kind = request[0]
         if kind == "call":
-            return self.run(*request[1:], inline=inline)
+            _, func, args, kwargs = request
+            return self.run(func, args, kwargs, inline=inline)
         if kind == "remote":
             func, args, kwargs, rref_id, fork_id = request[1:]
             value = self.rrefs.create_owned(rref_id, fork_id)
@@ -349,16 +409,18 @@ class _RpcState:
             return completed(None)
         raise ValueError(f"unknown request kind {kind!r}")
 
-    def _reply(self, outcome: Future[Any], dest: WorkerInfo, reply: Future[Message]) -> None:
+    def _reply(self, outcome: Future[Any], dest: WorkerInfo) -> Future[Message]:
         try:
             payload: tuple[object, ...] = ("ok", outcome.value())
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             payload = _failure(exc)
+        return self._encode_reply(payload, dest)
+
+    def _encode_reply(self, payload: tuple[object, ...], dest: WorkerInfo) -> Future[Message]:
         try:
-            encoded = self.encode(payload, dest)
+            return self.encode(payload, dest)
         except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-            encoded = self.encode(_failure(exc), dest)
-        encoded.add_done_callback(lambda e: copy_outcome(e, reply))
+            return self.encode(_failure(exc), dest)
 
     def run(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], inline: bool = False

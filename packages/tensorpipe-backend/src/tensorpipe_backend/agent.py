@@ -1,13 +1,17 @@
 """``TensorPipeAgent``: moves ``rpc_registry`` messages between workers over sockets.
 
-One authenticated TCP connection per pair of workers carries requests and
-replies both ways. When two workers dial each other at once, the dial of the
-lower rank wins and the other is told to use it. Each connection has a reader
-thread; incoming requests of one peer go through a queue that at most one of
-the ``num_worker_threads`` workers drains at a time, so they reach the
-handler in the order the peer sent them. Liveness comes from TCP keepalive
-and ``TCP_USER_TIMEOUT`` (about four seconds); a killed process is noticed at
-once because its kernel closes its sockets.
+One authenticated connection per pair of workers carries requests and
+replies both ways: a Unix socket between workers of one host (found through
+their published host identity), TCP otherwise. When two workers dial each
+other at once, the dial of the lower rank wins and the other is told to use
+it. One thread at a time reads a connection, through a buffer, and runs what
+it reads itself: the called function, the completion of a reply's future.
+A reader that calls out, or is still busy after a watch tick (5 ms), hands
+the socket to a new reader thread, so a slow or nested call never stalls the
+connection; requests of one peer reach the handler in the order the peer
+sent them. Liveness comes from TCP keepalive and ``TCP_USER_TIMEOUT`` (about
+four seconds); a killed process is noticed at once because its kernel
+closes its sockets.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import ipaddress
 import itertools
 import logging
 import os
+import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -74,7 +80,8 @@ _SMALL_PAYLOAD: Final = 1 << 16
 _STRAND_BATCH: Final = 32
 _WATCH_TICK: Final = 0.005
 _WATCH_IDLE_TICKS: Final = 200
-_BATCH_BYTES: Final = 1 << 16
+_BATCH_FRAMES: Final = 256
+_CREDENTIALS: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _KEEPALIVE: Final = {"TCP_KEEPIDLE": 1, "TCP_KEEPINTVL": 1, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 4000}
 
 _current: weakref.ref[TensorPipeAgent] | None = None
@@ -132,7 +139,25 @@ def prepare_tensor(
     return TensorDescriptor(data.dtype, target, tuple(data.shape), nbytes, grad), data
 
 
+def _local_listener() -> socket.socket | None:
+    """A listening Unix socket with a random name in the abstract namespace (Linux), or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(b"\0tpb-" + secrets.token_hex(16).encode())
+        listener.listen(64)
+    except OSError as exc:
+        logger.debug("no Unix socket for peers on this host: %s", exc)
+        listener.close()
+        return None
+    listener.settimeout(0.2)
+    return listener
+
+
 def _tune(sock: socket.socket) -> None:
+    if sock.family == socket.AF_UNIX:
+        return  # no TCP options; a peer's death closes the socket at once
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in _KEEPALIVE.items():
@@ -247,7 +272,9 @@ class TensorPipeAgent:
         self._me = WorkerInfo(name, rank)
         self._world_size = world_size
         self._rpc_timeout = options.rpc_timeout
-        self._cond = threading.Condition(threading.RLock())
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        self._timer = threading.Condition(lock)  # wakes only the deadline thread
         self._records: dict[str, WorkerRecord] = {}
         self._conns: dict[str, _Connection] = {}
         self._dialing: set[str] = set()
@@ -269,6 +296,7 @@ class TensorPipeAgent:
         self._deadlines: list[tuple[float, int, _Connection, int, float]] = []
         self._deadline_seq = itertools.count()
         self._listener: socket.socket | None = None
+        self._local_listener: socket.socket | None = None
         self._gloo: GlooGroup | None = None
         self._busy_seq = itertools.count(1)
         self._watch_idle = False
@@ -280,6 +308,8 @@ class TensorPipeAgent:
             host = _listen_host(options.init_method)
             self._listener = socket.create_server((host, 0))
             self._listener.settimeout(0.2)
+            shm_host = host_identity()
+            self._local_listener = _local_listener() if shm_host else None
             record = WorkerRecord(
                 name,
                 rank,
@@ -288,9 +318,12 @@ class TensorPipeAgent:
                 self._cuda_count,
                 self._device_maps,
                 options.devices,
-                host_identity(),
+                shm_host,
+                self._local_listener.getsockname()[1:].decode() if self._local_listener else "",
             )
-            self._spawn(self._accept_loop, "accept")
+            self._spawn(self._accept_loop, "accept", self._listener)
+            if self._local_listener is not None:
+                self._spawn(self._accept_loop, "accept-local", self._local_listener)
             self._spawn(self._deadline_loop, "deadlines")
             self._spawn(self._watch_loop, "watch")
             if world_size is not None:
@@ -393,6 +426,9 @@ class TensorPipeAgent:
         self._devices = create_device_list(self._options.devices, self._device_maps, self._reverse_maps)
 
     def _record(self, name: str) -> WorkerRecord | None:
+        known = self._records.get(name)
+        if known is not None:
+            return known
         world_size = self._world_size
         if world_size is not None:
             # A peer may connect before this worker has stored the group's records
@@ -431,6 +467,15 @@ class TensorPipeAgent:
         """The host and port this worker listens on (published to its peers through the store)."""
         record = self._records[self._me.name]
         return record.host, record.port
+
+    @property
+    def peer_transports(self) -> dict[str, str]:
+        """How this worker reaches each connected peer: ``"unix"`` (a Unix socket, same host) or ``"tcp"``."""
+        with self._cond:
+            conns = list(self._conns.values())
+        return {
+            c.peer.name: "unix" if c.sock.family == socket.AF_UNIX else "tcp" for c in conns if not c.closed
+        }
 
     @property
     def reverse_device_maps(self) -> dict[str, DeviceMap]:
@@ -489,15 +534,18 @@ class TensorPipeAgent:
             _local.reading = None
             self._hand_off(*reading)
         future: Future[Message] = Future()
-        with self._cond:
-            reason = self._left.get(to.name)
+        reason = self._left.get(to.name)
         if reason is not None:
             _fail(future, ConnectionError(f"worker {to.name} {reason}; the call was not sent"))
             return future
-        device_map = self._device_maps.get(to.name, {})
-        prepared = [prepare_tensor(t, device_map, to.name, is_request=True) for t in message.tensors]
+        prepared = []
+        if message.tensors:
+            device_map = self._device_maps.get(to.name, {})
+            prepared = [prepare_tensor(t, device_map, to.name, is_request=True) for t in message.tensors]
         deadline = time.monotonic() + timeout if timeout > 0 else None
-        conn = self._connection(to.name, deadline)
+        conn = self._conns.get(to.name)
+        if conn is None or conn.closed:
+            conn = self._connection(to.name, deadline)
         msg_id = next(self._ids)
         with self._cond:
             if conn.closed:
@@ -510,7 +558,7 @@ class TensorPipeAgent:
                 earliest = not self._deadlines or deadline < self._deadlines[0][0]
                 heapq.heappush(self._deadlines, (deadline, next(self._deadline_seq), conn, msg_id, timeout))
                 if earliest:
-                    self._cond.notify_all()
+                    self._timer.notify()
                 if len(self._deadlines) > 1024 and len(self._deadlines) > 4 * self._in_flight:
                     # Answered calls leave their deadline behind: drop those, keep the heap small.
                     self._deadlines = [d for d in self._deadlines if d[3] in d[2].pending]
@@ -601,9 +649,11 @@ class TensorPipeAgent:
             self._closed = True
             conns = list(self._conns.values())
             self._cond.notify_all()
+            self._timer.notify_all()
         self._watch_wake.set()
-        if self._listener is not None:
-            self._listener.close()
+        for listener in (self._listener, self._local_listener):
+            if listener is not None:
+                listener.close()
         for conn in conns:
             self._drop(conn, f"this worker ({self._me.name}) shut down")
         if self._gloo is not None:
@@ -662,7 +712,9 @@ class TensorPipeAgent:
             raise ValueError(f"worker {name!r} is not in the group; it may have left")
         limit = _HANDSHAKE_TIMEOUT if deadline is None else max(min(deadline - time.monotonic(), 30.0), 0.01)
         try:
-            sock = socket.create_connection((record.host, record.port), timeout=limit)
+            sock = self._dial_local(record, limit) or socket.create_connection(
+                (record.host, record.port), timeout=limit
+            )
         except OSError as exc:
             raise ConnectionError(
                 f"worker {name} (rank {record.rank}) at {record.host}:{record.port} is unreachable: {exc}"
@@ -690,9 +742,22 @@ class TensorPipeAgent:
         self._spawn(self._read_loop, f"read-{name}", conn, conn.reader)
         return conn
 
-    def _accept_loop(self) -> None:
-        listener = self._listener
-        assert listener is not None
+    def _dial_local(self, record: WorkerRecord, timeout: float) -> socket.socket | None:
+        """A Unix socket to a peer on this host, ``None`` when it has none or it cannot be reached."""
+        mine = self._records.get(self._me.name)
+        if not record.local_socket or mine is None or not mine.shm_host or record.shm_host != mine.shm_host:
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(b"\0" + record.local_socket.encode())
+        except OSError as exc:  # e.g. another network namespace: TCP it is
+            logger.debug("%s: no Unix socket to %s (%s); using TCP", self._me.name, record.name, exc)
+            sock.close()
+            return None
+        return sock
+
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._closed:
             try:
                 sock, _ = listener.accept()
@@ -760,6 +825,12 @@ class TensorPipeAgent:
         mine = self._records.get(self._me.name)
         if mine is None or not mine.shm_host or record.shm_host != mine.shm_host:
             return None
+        if sock.family == socket.AF_UNIX:
+            # The kernel vouches for the peer: same host, and SO_PEERCRED gives its user.
+            _, uid, _ = _CREDENTIALS.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+            )
+            return SharedFiles() if uid == os.geteuid() else None
         try:
             local, remote = sock.getsockname()[0], sock.getpeername()[0]
         except OSError:
@@ -795,6 +866,13 @@ class TensorPipeAgent:
         prepared: list[tuple[TensorDescriptor, torch.Tensor]],
         shm_tokens: list[bytes] | None = None,
     ) -> None:
+        if not prepared and len(payload) <= _SMALL_PAYLOAD:
+            frame = encode_header(kind, msg_id, len(payload), 0, 0) + payload
+            with conn.send_lock:
+                if conn.closed:
+                    raise ConnectionError(f"the connection to {conn.peer.name} is closed")
+                conn.sock.sendall(frame)
+            return
         shm = conn.shm
         if shm is not None and prepared:
             prepared = [
@@ -827,6 +905,8 @@ class TensorPipeAgent:
 
     def _flush(self, conn: _Connection) -> None:
         """Write the replies the reader batched."""
+        if not conn.batch:
+            return
         with conn.send_lock:
             if not conn.batch:
                 return
@@ -1027,7 +1107,9 @@ class TensorPipeAgent:
         """
         with self._cond:
             self._in_flight += 1
-            strand = self._strands.setdefault(conn.peer.name, _Strand())
+            strand = self._strands.get(conn.peer.name)
+            if strand is None:
+                strand = self._strands[conn.peer.name] = _Strand()
             handler = self._handler
             if strand.running or strand.queue or handler is None:
                 strand.queue.append((conn, msg_id, message))
@@ -1046,7 +1128,10 @@ class TensorPipeAgent:
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             reply = Future()
             _fail(reply, exc)
-        reply.add_done_callback(functools.partial(self._send_reply, conn, msg_id))
+        if reply.done():
+            self._send_reply(conn, msg_id, reply)
+        else:
+            reply.add_done_callback(functools.partial(self._send_reply, conn, msg_id))
 
     def _drain(self, strand: _Strand) -> None:
         for _ in range(_STRAND_BATCH):
@@ -1062,11 +1147,6 @@ class TensorPipeAgent:
         self._submit(self._drain, strand)
 
     def _send_reply(self, conn: _Connection, msg_id: int, reply: Future[Message]) -> None:
-        reading = getattr(_local, "reading", None)
-        if reading is None or reading[0] is not conn or not conn.stream.has_frame():
-            self._send_reply_now(conn, msg_id, reply)
-            return
-        # The reader has more frames at hand: a small reply waits for the others, one write for all.
         try:
             message = reply.value()
         except Exception:  # noqa: BLE001 - _send_reply_now reports it
@@ -1075,12 +1155,18 @@ class TensorPipeAgent:
             self._send_reply_now(conn, msg_id, reply)
             return
         frame = encode_header(Kind.REPLY, msg_id, len(message.payload), 0, 0) + message.payload
+        reading = getattr(_local, "reading", None)
+        # A reader with more frames at hand keeps small replies for one write after the others.
+        keep = reading is not None and reading[0] is conn and conn.stream.has_frame()
         try:
             with conn.send_lock:
+                if conn.closed:
+                    return
                 conn.batch.append(frame)
-                size = sum(map(len, conn.batch))
-            if size >= _BATCH_BYTES:
-                self._flush(conn)
+                if keep and len(conn.batch) < _BATCH_FRAMES:
+                    return
+                data, conn.batch = b"".join(conn.batch), []
+                conn.sock.sendall(data)
         except OSError as exc:
             logger.debug("%s: replies to %s lost: %s", self._me.name, conn.peer.name, exc)
         finally:
@@ -1117,10 +1203,10 @@ class TensorPipeAgent:
     # Per-call timeouts.
     def _deadline_loop(self) -> None:
         while True:
-            with self._cond:
+            with self._timer:
                 while not self._closed and (not self._deadlines or self._deadlines[0][0] > time.monotonic()):
                     delay = self._deadlines[0][0] - time.monotonic() if self._deadlines else 1.0
-                    self._cond.wait(min(delay, 1.0))
+                    self._timer.wait(min(delay, 1.0))
                 if self._closed:
                     return
                 _, _, conn, msg_id, timeout = heapq.heappop(self._deadlines)

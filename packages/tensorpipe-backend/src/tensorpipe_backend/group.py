@@ -58,6 +58,8 @@ class WorkerRecord:
     devices: list[torch.device]
     shm_host: str = ""
     """The worker's ``shm.host_identity()``: equal on two workers that can share ``/dev/shm`` files."""
+    local_socket: str = ""
+    """Name of the worker's Unix socket in the abstract namespace, for peers on its host; or empty."""
 
     def to_json(self) -> str:
         """Serialize for the store."""
@@ -74,6 +76,7 @@ class WorkerRecord:
                 },
                 "devices": [str(device) for device in self.devices],
                 "shm_host": self.shm_host,
+                "local_socket": self.local_socket,
             }
         )
 
@@ -94,6 +97,7 @@ class WorkerRecord:
                 },
                 devices=[torch.device(device) for device in raw["devices"]],
                 shm_host=str(raw.get("shm_host", "")),
+                local_socket=str(raw.get("local_socket", "")),
             )
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise ValueError(f"malformed worker record in the store: {exc}") from exc

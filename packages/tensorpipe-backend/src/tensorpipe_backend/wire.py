@@ -28,7 +28,7 @@ import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, cast
+from typing import Final, NamedTuple, cast
 
 import torch
 
@@ -87,12 +87,14 @@ class Kind(enum.IntEnum):
     GOODBYE = 6
 
 
+_KINDS: Final = {int(kind): kind for kind in Kind}
+
+
 class FrameError(ValueError):
     """A frame that breaks the format or its bounds; the connection must be closed."""
 
 
-@dataclass(frozen=True)
-class FrameHeader:
+class FrameHeader(NamedTuple):
     """A decoded header."""
 
     kind: Kind
@@ -176,10 +178,9 @@ def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     magic, kind, msg_id, payload_len, tensor_count, descriptors_len = HEADER.unpack(data)
     if magic != MAGIC:
         raise FrameError(f"bad magic {bytes(magic)!r}: the peer does not speak this protocol")
-    try:
-        frame_kind = Kind(kind)
-    except ValueError:
-        raise FrameError(f"unknown frame kind {kind}") from None
+    frame_kind = _KINDS.get(kind)
+    if frame_kind is None:
+        raise FrameError(f"unknown frame kind {kind}")
     _check_sizes(payload_len, tensor_count, descriptors_len)
     if tensor_count == 0 and descriptors_len != 0:
         raise FrameError(f"descriptor block of {descriptors_len} bytes for no tensors")
