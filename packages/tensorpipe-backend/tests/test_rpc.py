@@ -97,6 +97,16 @@ def test_large_tensor_arrives_intact() -> None:
     assert torch.equal(rpc_sync("w1", torch.neg, args=(big,)), -big)
 
 
+def test_large_replies_kept_alive_are_never_overwritten_by_later_ones() -> None:
+    big = torch.randn(2_000_000)
+    first = rpc_sync("w1", torch.add, args=(big, 1))
+    second = rpc_sync("w1", torch.add, args=(big, 2))
+    del second
+    third = rpc_sync("w1", torch.add, args=(big, 3))
+    fourth = rpc_sync("w1", torch.add, args=(big, 4))
+    assert torch.equal(first, big + 1) and torch.equal(third, big + 3) and torch.equal(fourth, big + 4)
+
+
 def test_nested_call_reaches_a_third_worker() -> None:
     x = torch.ones(3)
     assert torch.equal(rpc_sync("w1", nested_add_one, args=("w2", x)), (x + 1) * 2)

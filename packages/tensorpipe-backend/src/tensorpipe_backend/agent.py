@@ -54,7 +54,7 @@ from .auth import (
 from .device_maps import create_device_list, create_reverse_mapping, validate_device_maps
 from .group import GlooGroup, WorkerRecord, members, membership_token, record_key, set_members
 from .options import DeviceMap, TensorPipeRpcBackendOptions
-from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles, host_identity, open_tensor
+from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles, host_identity
 from .wire import (
     FrameError,
     FrameReader,
@@ -876,7 +876,7 @@ class TensorPipeAgent:
         shm = conn.shm
         if shm is not None and prepared:
             prepared = [
-                (dataclasses.replace(desc, shm_token=self._shm_token(shm, data, shm_tokens)), data)
+                (self._to_shared_memory(shm, desc, data, shm_tokens), data)
                 if desc.nbytes >= SHM_MIN_BYTES
                 else (desc, data)
                 for desc, data in prepared
@@ -896,12 +896,14 @@ class TensorPipeAgent:
                     send_all(conn.sock, tensor_bytes(data))
 
     @staticmethod
-    def _shm_token(shm: SharedFiles, data: torch.Tensor, created: list[bytes] | None) -> bytes:
-        """The token of a fresh shared-memory file holding ``data``; ``created`` collects it."""
-        token = shm.write(tensor_bytes(data))
-        if created is not None:
+    def _to_shared_memory(
+        shm: SharedFiles, desc: TensorDescriptor, data: torch.Tensor, created: list[bytes] | None
+    ) -> TensorDescriptor:
+        """``desc`` naming a shared-memory file now holding ``data``; ``created`` collects unpooled ones."""
+        token, pooled = shm.write(tensor_bytes(data))
+        if created is not None and not pooled:
             created.append(token)
-        return token
+        return dataclasses.replace(desc, shm_token=token, shm_pooled=pooled)
 
     def _flush(self, conn: _Connection) -> None:
         """Write the replies the reader batched."""
@@ -934,6 +936,7 @@ class TensorPipeAgent:
                     self._dispatch(conn, header.kind, header.msg_id, payload, tensors, error)
                 finally:
                     _local.reading = None
+                    tensors = ()  # a pooled shared-memory file is released when its tensor dies
                 with conn.role_lock:
                     if conn.reader is not token:
                         return  # another thread reads now
@@ -999,7 +1002,9 @@ class TensorPipeAgent:
                 if conn.shm is None:
                     raise FrameError("a shared-memory tensor from a peer that is not on this host")
                 try:
-                    tensor = open_tensor(desc.shm_token, desc.dtype, desc.shape, desc.nbytes, unlink=True)
+                    tensor = conn.shm.receive(
+                        desc.shm_token, desc.shm_pooled, desc.dtype, desc.shape, desc.nbytes
+                    )
                 except MissingFileError as exc:
                     # A request file its caller unlinked when the call timed out: not the peer's fault.
                     error = error or f"{exc}; the call may have timed out"

@@ -10,16 +10,27 @@ tensor's memory (freed when the tensor is), unlinking it at once. A sender
 also unlinks a request's files when the call ends (reply or timeout), and
 every file its peer did not take when the connection closes, when the agent
 shuts down or when the process exits.
+
+Files are pooled per connection and direction, so that their pages are
+touched once, not per message: the sender keeps each file mapped and writes
+the next tensor of a fitting size into one its peer has released; the peer
+keeps the file mapped (it was unlinked when first opened) and makes each
+tensor a view of it. A file ends in a status page: the sender sets its first byte when it
+hands the file over, and the receiver clears it when the last view of the
+tensor dies (a memory write, safe from any thread). When no pooled file is
+free and the pool is full, a tensor goes in a file of its own.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import mmap
 import os
 import secrets
 import stat
 import threading
+import weakref
 from typing import Final
 
 import torch
@@ -33,6 +44,11 @@ SHM_MIN_BYTES: Final = 1 << 20
 
 _DIR: Final = "/dev/shm"
 _PREFIX: Final = "tpb-"
+_PAGE: Final = mmap.PAGESIZE
+_POOL_FILES: Final = 8
+_POOL_BYTES: Final = 1 << 30
+_FLAGS: Final = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
 
 _live_lock = threading.Lock()
 _live: set[str] = set()
@@ -72,23 +88,71 @@ def _unlink(path: str) -> None:
         _live.discard(path)
 
 
+class _Pooled:
+    """A pooled file on the sending side: kept mapped, data first, status page last."""
+
+    __slots__ = ("bytes", "capacity", "memory", "path", "token")
+
+    def __init__(self, token: bytes, path: str, capacity: int, memory: mmap.mmap) -> None:
+        self.token = token
+        self.path = path
+        self.capacity = capacity
+        self.memory = memory
+        self.bytes = torch.frombuffer(memory, dtype=torch.uint8)
+
+    @property
+    def free(self) -> bool:
+        return self.memory[self.capacity] == 0
+
+
+class _Received:
+    """A pooled file of the peer, open on the receiving side."""
+
+    __slots__ = ("capacity", "memory")
+
+    def __init__(self, memory: mmap.mmap, capacity: int) -> None:
+        self.memory = memory
+        self.capacity = capacity
+
+
+def _release(memory: mmap.mmap, capacity: int) -> None:
+    memory[capacity] = 0
+
+
+def _create(token: bytes, size: int) -> tuple[str, int]:
+    path = _path(token)
+    fd = os.open(path, _FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
+    with _live_lock:
+        _live.add(path)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    return path, fd
+
+
 class SharedFiles:
-    """The files one connection has sent and its peer may not have taken yet."""
+    """The shared-memory files of one connection: those sent (pooled or not) and those received."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sent: list[str] = []
+        self._pool: list[_Pooled] = []
+        self._received: dict[bytes, _Received] = {}
+        self._closed = False
 
-    def write(self, data: memoryview) -> bytes:
-        """Put ``data`` in a fresh shared-memory file; its token names it to the peer."""
+    def write(self, data: memoryview) -> tuple[bytes, bool]:
+        """Put ``data`` in shared memory: its token names the file to the peer, and whether it is pooled."""
+        pooled = self._pooled(len(data))
+        if pooled is not None:
+            pooled.bytes[: len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
+            return pooled.token, True
         self._prune()
         token = secrets.token_bytes(SHM_TOKEN_BYTES)
-        path = _path(token)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with _live_lock:
-            _live.add(path)
+        path, fd = _create(token, len(data))
         try:
-            os.ftruncate(fd, len(data))
             written = 0
             while written < len(data):
                 written += os.pwrite(fd, data[written:], written)
@@ -99,7 +163,62 @@ class SharedFiles:
             os.close(fd)
         with self._lock:
             self._sent.append(path)
-        return token
+        return token, False
+
+    def _pooled(self, nbytes: int) -> _Pooled | None:
+        """A released pooled file for ``nbytes`` bytes, marked in use; a new one while the pool has room."""
+        capacity = -(-nbytes // _PAGE) * _PAGE
+        with self._lock:
+            if self._closed:
+                return None
+            for pooled in self._pool:
+                if capacity <= pooled.capacity <= 2 * capacity and pooled.free:
+                    pooled.memory[pooled.capacity] = 1
+                    return pooled
+            if len(self._pool) >= _POOL_FILES or sum(p.capacity for p in self._pool) + capacity > _POOL_BYTES:
+                return None
+            token = secrets.token_bytes(SHM_TOKEN_BYTES)
+            path, fd = _create(token, capacity + _PAGE)
+            try:
+                memory = mmap.mmap(fd, capacity + _PAGE)
+            finally:
+                os.close(fd)
+            pooled = _Pooled(token, path, capacity, memory)
+            memory[capacity] = 1
+            self._pool.append(pooled)
+            self._sent.append(path)
+            return pooled
+
+    def receive(
+        self, token: bytes, pooled: bool, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
+    ) -> torch.Tensor:
+        """The tensor the peer put in the file of ``token`` (see :func:`open_tensor` for the errors)."""
+        if not pooled:
+            return open_tensor(token, dtype, shape, nbytes, unlink=True)
+        with self._lock:
+            entry = self._received.get(token)
+            if entry is None:
+                entry = self._received[token] = self._open_pooled(token)
+        if nbytes > entry.capacity:
+            raise FrameError(f"{nbytes} bytes announced in a pooled file of {entry.capacity}")
+        window = (ctypes.c_char * nbytes).from_buffer(entry.memory)
+        # When the last view of the tensor dies, so does the window: the file is free again.
+        weakref.finalize(window, _release, entry.memory, entry.capacity)
+        return torch.frombuffer(window, dtype=torch.uint8).view(dtype).reshape(shape)
+
+    @staticmethod
+    def _open_pooled(token: bytes) -> _Received:
+        path = _path(token)
+        fd = _open_checked(path)
+        try:
+            size = os.fstat(fd).st_size
+            if size < 2 * _PAGE or size % _PAGE:
+                raise FrameError(f"{path} holds {size} bytes, not a pooled file")
+            _unlink(path)
+            memory = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        finally:
+            os.close(fd)
+        return _Received(memory, size - _PAGE)
 
     def release(self, tokens: list[bytes]) -> None:
         """Unlink the files of ``tokens`` (those of a request, once its reply came)."""
@@ -122,11 +241,15 @@ class SharedFiles:
             _live.difference_update(taken)
 
     def close(self) -> None:
-        """Unlink every file the peer did not take."""
+        """Unlink every file the peer did not take; let go of the pooled files."""
         with self._lock:
+            self._closed = True
             sent, self._sent = self._sent, []
+            pool, self._pool = self._pool, []
+            received, self._received = self._received, {}
         for path in sent:
             _unlink(path)
+        del pool, received  # the mappings go with the last tensor that views them
 
 
 def open_tensor(
@@ -138,16 +261,9 @@ def open_tensor(
     a regular file of this user, or does not hold exactly ``nbytes`` bytes.
     """
     path = _path(token)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError as exc:
-        raise MissingFileError(f"the shared-memory tensor {path} is gone ({exc})") from exc
-    except OSError as exc:
-        raise FrameError(f"cannot open the shared-memory tensor {path}: {exc}") from exc
+    fd = _open_checked(path)
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            raise FrameError(f"{path} is not a regular file of this user; refusing it")
         if info.st_size != nbytes:
             raise FrameError(f"{path} holds {info.st_size} bytes, the frame announced {nbytes}")
         if unlink:
@@ -156,6 +272,21 @@ def open_tensor(
     finally:
         os.close(fd)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _open_checked(path: str) -> int:
+    """Open ``path``, a regular file of this user; ``MissingFileError`` when it is gone."""
+    try:
+        fd = os.open(path, _FLAGS)
+    except FileNotFoundError as exc:
+        raise MissingFileError(f"the shared-memory tensor {path} is gone ({exc})") from exc
+    except OSError as exc:
+        raise FrameError(f"cannot open the shared-memory tensor {path}: {exc}") from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(fd)
+        raise FrameError(f"{path} is not a regular file of this user; refusing it")
+    return fd
 
 
 @atexit.register

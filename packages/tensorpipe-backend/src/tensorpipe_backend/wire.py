@@ -115,6 +115,8 @@ class TensorDescriptor:
     requires_grad: bool = False
     shm_token: bytes = b""
     """Empty, or the ``SHM_TOKEN_BYTES`` naming the shared-memory file that holds the data."""
+    shm_pooled: bool = False
+    """Whether that file is one of the sender's pooled files (kept and reused), not one of its own."""
 
 
 def _dtype_table() -> tuple[torch.dtype, ...]:
@@ -133,7 +135,8 @@ _DTYPE_CODES: Final = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _DEVICE_TYPES: Final = ("cpu", "cuda")
 _REQUIRES_GRAD: Final = 1
 _SHARED_MEMORY: Final = 2
-_FLAGS: Final = _REQUIRES_GRAD | _SHARED_MEMORY
+_POOLED: Final = 4
+_FLAGS: Final = _REQUIRES_GRAD | _SHARED_MEMORY | _POOLED
 SHM_TOKEN_BYTES: Final = 16
 """Length of the token naming a tensor's shared-memory file."""
 
@@ -204,7 +207,7 @@ def encode_descriptors(descriptors: Sequence[TensorDescriptor]) -> bytes:
                 raise FrameError(
                     f"a shared-memory token has {SHM_TOKEN_BYTES} bytes, got {len(desc.shm_token)}"
                 )
-            flags |= _SHARED_MEMORY
+            flags |= _SHARED_MEMORY | (_POOLED if desc.shm_pooled else 0)
         parts.append(
             _DESCRIPTOR.pack(
                 dtype_code(desc.dtype),
@@ -270,7 +273,11 @@ def decode_descriptors(data: bytes | bytearray | memoryview, count: int) -> list
             raise FrameError(f"descriptor {i}: requires_grad on a tensor of {dtype}")
         if token and nbytes == 0:
             raise FrameError(f"descriptor {i}: an empty tensor in shared memory")
-        out.append(TensorDescriptor(dtype, device, shape, nbytes, requires_grad, token))
+        if flags & _POOLED and not token:
+            raise FrameError(f"descriptor {i}: a pooled file flag without a shared-memory token")
+        out.append(
+            TensorDescriptor(dtype, device, shape, nbytes, requires_grad, token, bool(flags & _POOLED))
+        )
     if offset != len(view):
         raise FrameError(f"descriptor block has {len(view) - offset} bytes left over")
     return out
