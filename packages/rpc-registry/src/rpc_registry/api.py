@@ -8,6 +8,7 @@ meaning: seconds, ``0`` for none, ``-1`` for the agent's default.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import io
 import itertools
@@ -97,17 +98,21 @@ class _Call:
 
     __slots__ = ("result", "what")
 
-    def __init__(self, result: Future[Any], what: str) -> None:
+    def __init__(self, result: Future[Any], what: tuple[str, str, object, object]) -> None:
         self.result: Future[Any] | None = result
-        self.what = what
+        self.what: tuple[str, str, object, object] | None = what  # caller, callee, request kind, target
+
+    def describe(self, what: tuple[str, str, object, object]) -> str:
+        me, to, kind, target = what
+        return f"rpc from {me} to {to} ({_describe((kind, target))})"
 
 
 class _Deadlines:
     """One thread that fails calls whose timeout passed."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._settle = threading.Lock()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._heap: list[tuple[float, int, float, _Call]] = []
         self._live = 0
         self._seq = itertools.count()
@@ -115,15 +120,14 @@ class _Deadlines:
         self._thread = threading.Thread(target=self._run, name="rpc-registry-timeouts", daemon=True)
         self._thread.start()
 
-    def add(self, result: Future[Any], timeout: float, what: str) -> _Call:
+    def add(self, result: Future[Any], timeout: float, what: tuple[str, str, object, object]) -> _Call:
         """Track ``result``: it fails with ``TimeoutError`` after ``timeout`` s unless settled first."""
         call = _Call(result, what)
-        with self._settle:
-            self._live += 1
-        if timeout <= 0:
-            return call
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
+            self._live += 1
+            if timeout <= 0:
+                return call
             # Wake the timer thread only if it now has to wake earlier.
             earliest = not self._heap or deadline < self._heap[0][0]
             heapq.heappush(self._heap, (deadline, next(self._seq), timeout, call))
@@ -137,10 +141,11 @@ class _Deadlines:
 
     def claim(self, call: _Call) -> Future[Any] | None:
         """The call's future if this is the first claim (its settler completes it), else ``None``."""
-        with self._settle:
+        with self._lock:
             result, call.result = call.result, None
             if result is not None:
                 self._live -= 1
+                call.what = None
         return result
 
     def stop(self) -> None:
@@ -158,16 +163,17 @@ class _Deadlines:
                 if self._stopped:
                     return
                 _, _, timeout, call = heapq.heappop(self._heap)
+                what = call.what
             result = self.claim(call)
-            if result is not None:
+            if result is not None and what is not None:
                 fail(
                     result,
                     TimeoutError(
-                        f"{call.what}: no reply within {timeout:g} s; pass a larger timeout, "
+                        f"{call.describe(what)}: no reply within {timeout:g} s; pass a larger timeout, "
                         "or timeout=0 to wait without limit"
                     ),
                 )
-            del result, call  # keep no finished call alive in this frame
+            del result, call, what  # keep no finished call alive in this frame
 
 
 _PLAIN_LEAVES: Final = frozenset(
@@ -288,9 +294,16 @@ class _RpcState:
     # Caller side.
     def request(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Future[Any]:
         result: Future[Any] = Future()
-        call = self.deadlines.add(
-            result, timeout, f"rpc from {self._me.name} to {to.name} ({_describe(request)})"
-        )
+        call = self.deadlines.add(result, timeout, (self._me.name, to.name, request[0], request[1]))
+        if to.name != self._me.name and _is_plain(request, _PLAIN_BUDGET) >= 0:
+            # The common case, without the futures of encoding: nothing in it is a tensor or an RRef.
+            try:
+                reply = self.agent.send(to, Message(pickle.dumps(request, pickle.HIGHEST_PROTOCOL)), timeout)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                self._settle(call, None, exc)
+            else:
+                reply.add_done_callback(functools.partial(self._complete, call=call))
+            return result
         try:
             encoded = self.encode(request, to)
         except BaseException:

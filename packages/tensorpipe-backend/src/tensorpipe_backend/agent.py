@@ -199,12 +199,17 @@ def _listen_host(init_method: str) -> str:
 
 
 class _Pending:
-    __slots__ = ("future", "shm_tokens", "what")
+    __slots__ = ("future", "msg_id", "peer", "shm_tokens")
 
-    def __init__(self, future: Future[Message], what: str) -> None:
+    def __init__(self, future: Future[Message], msg_id: int, peer: str) -> None:
         self.future = future
-        self.what = what
+        self.msg_id = msg_id
+        self.peer = peer
         self.shm_tokens: list[bytes] = []
+
+    @property
+    def what(self) -> str:
+        return f"rpc {self.msg_id} to {self.peer}"
 
 
 class _Connection:
@@ -551,7 +556,7 @@ class TensorPipeAgent:
             if conn.closed:
                 _fail(future, ConnectionError(f"worker {to.name}: the connection closed before sending"))
                 return future
-            pending = conn.pending[msg_id] = _Pending(future, f"rpc {msg_id} to {to.name}")
+            pending = conn.pending[msg_id] = _Pending(future, msg_id, to.name)
             self._in_flight += 1
             if deadline is not None:
                 # Wake the deadline thread only when this deadline comes before all the others.
@@ -1042,8 +1047,8 @@ class TensorPipeAgent:
                 self._write(conn, Kind.ERROR, msg_id, error.encode(), [])
                 return
             self._enqueue(conn, msg_id, Message(payload, tensors))
-        elif kind in (Kind.REPLY, Kind.ERROR):
-            with self._cond:
+        elif kind is Kind.REPLY or kind is Kind.ERROR:
+            with self._cond:  # against _drop, which fails what is left
                 entry = conn.pending.pop(msg_id, None)
             if entry is None:
                 logger.debug("%s: late reply %d from %s dropped", self._me.name, msg_id, conn.peer.name)
