@@ -223,6 +223,8 @@ class _RpcState:
         self._me = agent.get_worker_info()
         self.executor = ThreadPoolExecutor(_NUM_WORKER_THREADS, thread_name_prefix="rpc-registry")
         self.inline = bool(getattr(agent, "handler_may_block", False))
+        # An agent's optional send_then(to, message, timeout, callback) (see RpcAgent).
+        self._send_then: Callable[..., None] | None = getattr(agent, "send_then", None)
         self.deadlines = _Deadlines()
         self.rrefs = RRefContext(self)
 
@@ -297,12 +299,15 @@ class _RpcState:
         call = self.deadlines.add(result, timeout, (self._me.name, to.name, request[0], request[1]))
         if to.name != self._me.name and _is_plain(request, _PLAIN_BUDGET) >= 0:
             # The common case, without the futures of encoding: nothing in it is a tensor or an RRef.
+            message = Message(pickle.dumps(request, pickle.HIGHEST_PROTOCOL))
             try:
-                reply = self.agent.send(to, Message(pickle.dumps(request, pickle.HIGHEST_PROTOCOL)), timeout)
+                if self._send_then is not None:
+                    self._send_then(to, message, timeout, functools.partial(self._finish, call))
+                else:
+                    reply = self.agent.send(to, message, timeout)
+                    reply.add_done_callback(functools.partial(self._complete, call=call))
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 self._settle(call, None, exc)
-            else:
-                reply.add_done_callback(functools.partial(self._complete, call=call))
             return result
         try:
             encoded = self.encode(request, to)
@@ -348,7 +353,18 @@ class _RpcState:
 
     def _complete(self, reply: Future[Message], call: _Call) -> None:
         try:
-            status, *body = self.decode(reply.wait())
+            outcome: Message | BaseException = reply.wait()
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            outcome = exc
+        self._finish(call, outcome)
+
+    def _finish(self, call: _Call, outcome: Message | BaseException) -> None:
+        """Settle ``call`` with the decoded reply ``outcome`` (or the agent's error)."""
+        if isinstance(outcome, BaseException):
+            self._settle(call, None, outcome)
+            return
+        try:
+            status, *body = self.decode(outcome)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             self._settle(call, None, exc)
             return

@@ -76,7 +76,10 @@ class RpcAgent(Protocol):
     the handler on a thread that may block without stalling the agent, and the
     API then runs the called function in the handler itself (no hop to its own
     worker threads). Without the attribute, the handler only decodes the
-    request and schedules the call.
+    request and schedules the call. An agent may also have
+    ``send_then(to, message, timeout, callback)``: ``send`` that calls
+    ``callback`` with the reply ``Message`` or the error instead of completing
+    a future; the API uses it for plain calls.
     """
 
     @property

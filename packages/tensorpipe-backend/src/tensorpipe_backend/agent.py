@@ -198,14 +198,27 @@ def _listen_host(init_method: str) -> str:
         return "127.0.0.1"
 
 
-class _Pending:
-    __slots__ = ("future", "msg_id", "peer", "shm_tokens")
+ReplySink = Future[Message] | Callable[[Message | BaseException], None]
 
-    def __init__(self, future: Future[Message], msg_id: int, peer: str) -> None:
-        self.future = future
+
+class _Pending:
+    __slots__ = ("msg_id", "peer", "shm_tokens", "sink")
+
+    def __init__(self, sink: ReplySink, msg_id: int, peer: str) -> None:
+        self.sink = sink
         self.msg_id = msg_id
         self.peer = peer
         self.shm_tokens: list[bytes] = []
+
+    def deliver(self, outcome: Message | BaseException) -> None:
+        """Complete the future, or call the callback, with the reply or the error."""
+        sink = self.sink
+        if not isinstance(sink, Future):
+            sink(outcome)
+        elif isinstance(outcome, BaseException):
+            _fail(sink, outcome)
+        else:
+            sink.set_result(outcome)
 
     @property
     def what(self) -> str:
@@ -531,6 +544,22 @@ class TensorPipeAgent:
 
     def send(self, to: WorkerInfo, message: Message, timeout: float) -> Future[Message]:
         """Send a request to ``to``; the future holds the reply or an error naming ``to``."""
+        future: Future[Message] = Future()
+        self._send(to, message, timeout, future)
+        return future
+
+    def send_then(
+        self,
+        to: WorkerInfo,
+        message: Message,
+        timeout: float,
+        callback: Callable[[Message | BaseException], None],
+    ) -> None:
+        """Like :meth:`send`, but call ``callback`` with the reply or the error instead of completing a
+        future (it runs on the thread that reads the reply; it must not raise)."""
+        self._send(to, message, timeout, callback)
+
+    def _send(self, to: WorkerInfo, message: Message, timeout: float, sink: ReplySink) -> None:
         if self._closed:
             raise RuntimeError(f"{self._me.name}: the agent is shut down; call init_rpc() again to send")
         reading = getattr(_local, "reading", None)
@@ -538,11 +567,11 @@ class TensorPipeAgent:
             # A reader thread calling out will likely wait for the reply: another thread reads meanwhile.
             _local.reading = None
             self._hand_off(*reading)
-        future: Future[Message] = Future()
+        pending = _Pending(sink, next(self._ids), to.name)
         reason = self._left.get(to.name)
         if reason is not None:
-            _fail(future, ConnectionError(f"worker {to.name} {reason}; the call was not sent"))
-            return future
+            pending.deliver(ConnectionError(f"worker {to.name} {reason}; the call was not sent"))
+            return
         prepared = []
         if message.tensors:
             device_map = self._device_maps.get(to.name, {})
@@ -551,28 +580,33 @@ class TensorPipeAgent:
         conn = self._conns.get(to.name)
         if conn is None or conn.closed:
             conn = self._connection(to.name, deadline)
-        msg_id = next(self._ids)
+        msg_id = pending.msg_id
         with self._cond:
             if conn.closed:
-                _fail(future, ConnectionError(f"worker {to.name}: the connection closed before sending"))
-                return future
-            pending = conn.pending[msg_id] = _Pending(future, msg_id, to.name)
-            self._in_flight += 1
-            if deadline is not None:
-                # Wake the deadline thread only when this deadline comes before all the others.
-                earliest = not self._deadlines or deadline < self._deadlines[0][0]
-                heapq.heappush(self._deadlines, (deadline, next(self._deadline_seq), conn, msg_id, timeout))
-                if earliest:
-                    self._timer.notify()
-                if len(self._deadlines) > 1024 and len(self._deadlines) > 4 * self._in_flight:
-                    # Answered calls leave their deadline behind: drop those, keep the heap small.
-                    self._deadlines = [d for d in self._deadlines if d[3] in d[2].pending]
-                    heapq.heapify(self._deadlines)
+                closed = True
+            else:
+                closed = False
+                conn.pending[msg_id] = pending
+                self._in_flight += 1
+                if deadline is not None:
+                    # Wake the deadline thread only when this deadline comes before all the others.
+                    earliest = not self._deadlines or deadline < self._deadlines[0][0]
+                    heapq.heappush(
+                        self._deadlines, (deadline, next(self._deadline_seq), conn, msg_id, timeout)
+                    )
+                    if earliest:
+                        self._timer.notify()
+                    if len(self._deadlines) > 1024 and len(self._deadlines) > 4 * self._in_flight:
+                        # Answered calls leave their deadline behind: drop those, keep the heap small.
+                        self._deadlines = [d for d in self._deadlines if d[3] in d[2].pending]
+                        heapq.heapify(self._deadlines)
+        if closed:
+            pending.deliver(ConnectionError(f"worker {to.name}: the connection closed before sending"))
+            return
         try:
             self._write(conn, Kind.REQUEST, msg_id, message.payload, prepared, pending.shm_tokens)
         except (OSError, FrameError) as exc:
             self._drop(conn, f"sending to it failed ({exc})")
-        return future
 
     def sync(self) -> None:
         """A barrier of the static group (at most ``rpc_timeout`` s); a dynamic group has none."""
@@ -859,7 +893,7 @@ class TensorPipeAgent:
         name = conn.peer.name
         for entry in pending.values():
             text = f"worker {name} {left}" if left else f"worker {name} (rank {conn.peer.id}): {reason}"
-            _fail(entry.future, ConnectionError(f"{text}; {entry.what} did not complete"))
+            entry.deliver(ConnectionError(f"{text}; {entry.what} did not complete"))
 
     # Frames.
     def _write(
@@ -1086,10 +1120,7 @@ class TensorPipeAgent:
 
     def _complete(self, entry: _Pending, outcome: Message | BaseException) -> None:
         try:
-            if isinstance(outcome, BaseException):
-                _fail(entry.future, outcome)
-            else:
-                entry.future.set_result(outcome)
+            entry.deliver(outcome)
         finally:
             self._reply_sent()
 
@@ -1227,8 +1258,7 @@ class TensorPipeAgent:
             if entry is not None:
                 if conn.shm is not None:
                     conn.shm.release(entry.shm_tokens)
-                _fail(
-                    entry.future,
+                entry.deliver(
                     TimeoutError(
                         f"{entry.what}: no reply within {timeout:g} s; pass a larger timeout, "
                         "or timeout=0 to wait without limit"
