@@ -33,8 +33,8 @@ class EmbeddingTable:
     """Rows of an embedding, updated by plain SGD from the trainers' pushes."""
 
     def __init__(self, world_size: int) -> None:
-        torch.manual_seed(7)
-        self.weight = torch.randn(ROWS, DIM)
+        # Its own generator: this runs on an RPC thread while the main thread seeds the global one.
+        self.weight = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(7))
         self.world_size = world_size
         self._cond = threading.Condition()
         self._pushes: dict[
