@@ -999,7 +999,9 @@ class TensorPipeAgent:
             conn.reader = token = object()
             conn.busy = conn.seen = 0
         self._spawn(self._read_loop, f"read-{conn.peer.name}", conn, token)
-        if conn.batch:
+        with conn.send_lock:
+            kept = bool(conn.batch)
+        if kept:
             self._submit(self._flush, conn)
 
     def _watch_loop(self) -> None:
@@ -1197,14 +1199,21 @@ class TensorPipeAgent:
             return
         frame = encode_header(Kind.REPLY, msg_id, len(message.payload), 0, 0) + message.payload
         reading = getattr(_local, "reading", None)
-        # A reader with more frames at hand keeps small replies for one write after the others.
-        keep = reading is not None and reading[0] is conn and conn.stream.has_frame()
         try:
             with conn.send_lock:
                 if conn.closed:
                     return
                 conn.batch.append(frame)
-                if keep and len(conn.batch) < _BATCH_FRAMES:
+                # The reader of conn, with more frames at hand, keeps small replies for one
+                # write after the others. Checked under send_lock: _hand_off takes it after
+                # moving the reader role, so a reply kept here is never left behind.
+                if (
+                    reading is not None
+                    and reading[0] is conn
+                    and conn.reader is reading[1]
+                    and len(conn.batch) < _BATCH_FRAMES
+                    and conn.stream.has_frame()
+                ):
                     return
                 data, conn.batch = b"".join(conn.batch), []
                 conn.sock.sendall(data)
