@@ -15,8 +15,9 @@ class GradBucket:
     """One bucket of gradients, handed to a communication hook.
 
     ``buffer()`` is a flat tensor of the bucket's gradients (in the bucket's
-    parameter order); the hook returns a future of a tensor of the same shape
-    holding the reduced gradients.
+    parameter order, each starting at its entry of ``offsets``, by default
+    packed one after the other); the hook returns a future of a tensor of the
+    same shape holding the reduced gradients.
     """
 
     def __init__(
@@ -27,7 +28,17 @@ class GradBucket:
         is_last: bool,
         divisor: int,
         process_group: dist.ProcessGroup,
+        offsets: list[int] | None = None,
     ) -> None:
+        if offsets is None:
+            offsets = [0]
+            for param in parameters[:-1]:
+                offsets.append(offsets[-1] + param.numel())
+        if len(offsets) != len(parameters):
+            raise ValueError(
+                f"GradBucket(offsets={offsets}): needs one offset per parameter ({len(parameters)})"
+            )
+        self._offsets = offsets
         self._index = index
         self._buffer = buffer
         self._parameters = parameters
@@ -49,11 +60,10 @@ class GradBucket:
 
     def gradients(self) -> list[torch.Tensor]:
         """Views of the buffer, one per parameter, shaped like it."""
-        views, offset = [], 0
-        for param in self._parameters:
-            views.append(self._buffer[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
-        return views
+        return [
+            self._buffer[offset : offset + param.numel()].view_as(param)
+            for param, offset in zip(self._parameters, self._offsets)
+        ]
 
     def is_last(self) -> bool:
         """True for the last bucket of the iteration."""

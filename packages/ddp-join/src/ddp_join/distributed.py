@@ -22,8 +22,15 @@ ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 #: The first bucket is small so its all-reduce starts early in backward.
 FIRST_BUCKET_BYTES: Final = 1024 * 1024
+#: Elements each gradient's place in a bucket starts on a multiple of (64 bytes
+#: or more), so copies and reductions over them run on aligned memory.
+ALIGN_ELEMENTS: Final = 16
 # Float types that represent the heartbeat and flag counts exactly.
 _EXACT_COUNT_DTYPES: Final = (torch.float32, torch.float64)
+
+
+def _aligned(count: int) -> int:
+    return -(-count // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
 @dataclass
@@ -40,16 +47,32 @@ class _Bucket:
     buffer: torch.Tensor
     pending: int = 0
     ready: list[bool] = field(default_factory=list)
+    # In flight: a comm hook's future, or the built-in all-reduce's work on ``reduced``.
     future: torch.futures.Future[torch.Tensor] | None = None
+    work: dist.Work | None = None
+    reduced: torch.Tensor | None = None
+    grads: torch.Tensor = field(init=False)
+    views: list[torch.Tensor] = field(init=False)
 
-    @property
-    def grads(self) -> torch.Tensor:
-        return self.buffer[self.meta_len :]
+    def __post_init__(self) -> None:
+        self.grads = self.buffer[self.meta_len :]
+        self.views = [
+            self.grads[offset : offset + param.numel()].view_as(param)
+            for param, offset in zip(self.params, self.offsets)
+        ]
 
     def grad_view(self, position: int) -> torch.Tensor:
-        param = self.params[position]
-        start = self.meta_len + self.offsets[position]
-        return self.buffer[start : start + param.numel()].view_as(param)
+        """The part of the buffer that holds parameter ``position``'s gradient."""
+        return self.views[position]
+
+    def result(self) -> torch.Tensor:
+        """Wait for the reduction in flight; the reduced buffer (or a hook's result)."""
+        if self.work is not None:
+            self.work.wait()
+            assert self.reduced is not None
+            return self.reduced
+        assert self.future is not None
+        return self.future.wait()
 
 
 class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
@@ -138,6 +161,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self._used_since_sync = [False] * len(self._params)  # find_unused_parameters, across no_sync
         self._divide_by_initial_world_size = True
         self._buffer_src = 0  # group rank whose buffers the next forward takes
+        self._meta_cache: dict[tuple[float, bool, torch.dtype], torch.Tensor] = {}
 
         self._broadcast_coalesced(list(module.parameters()) + self._buffers_list, global_rank(group, 0))
         self._buckets = self._make_buckets(int(bucket_cap_mb * 1024 * 1024))
@@ -191,14 +215,15 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             # starts reducing as soon as it is ready.
             if sizes[param.dtype] >= (FIRST_BUCKET_BYTES if current is groups[0] else cap_bytes):
                 del open_group[param.dtype]
-        self._meta_len = 1 + self._world_size + (len(self._params) if self.find_unused_parameters else 0)
+        meta_used = 1 + self._world_size + (len(self._params) if self.find_unused_parameters else 0)
+        self._meta_len = _aligned(meta_used)  # zeros after the metadata keep the gradients aligned
         self._meta_rides = groups[0][0].dtype in _EXACT_COUNT_DTYPES
         buckets = []
         for index, params in enumerate(groups):
             offsets, total = [], 0
             for param in params:
                 offsets.append(total)
-                total += param.numel()
+                total += _aligned(param.numel())
             meta_len = self._meta_len if index == 0 and self._meta_rides else 0
             buffer = torch.zeros(meta_len + total, dtype=params[0].dtype, device=self.device)
             bucket = _Bucket(index, params, offsets, meta_len, buffer)
@@ -328,6 +353,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             bucket.pending = len(bucket.params)
             bucket.ready = [False] * len(bucket.params)
             bucket.future = None
+            bucket.work = None
 
     def _make_grad_hook(self, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:
@@ -370,49 +396,58 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             self._launch(self._buckets[self._next_launch], training=True)
             self._next_launch += 1
 
-    def _signal_meta(self, training: bool) -> torch.Tensor:
-        """This rank's contribution to the metadata: [heartbeat, active flag
-        per rank, used flag per parameter (find_unused_parameters only)]."""
-        meta = torch.zeros(self._meta_len, dtype=torch.float64)
-        meta[0] = Join.heartbeat_signal(self)
+    def _signal_meta(self, training: bool, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's contribution to the metadata, on the module's device:
+        [heartbeat, active flag per rank, used flag per parameter
+        (find_unused_parameters only)]."""
+        signal = Join.heartbeat_signal(self)
+        key = (signal, training, dtype)
+        cached = None if self.find_unused_parameters else self._meta_cache.get(key)
+        if cached is not None:
+            return cached
+        values = [0.0] * self._meta_len
+        values[0] = signal
         if training:
-            meta[1 + self._rank] = 1.0
+            values[1 + self._rank] = 1.0
             if self.find_unused_parameters:
-                meta[1 + self._world_size :] = torch.tensor(self._used, dtype=torch.float64)
+                values[1 + self._world_size : 1 + self._world_size + len(self._used)] = [
+                    float(used) for used in self._used
+                ]
+        meta = torch.tensor(values, dtype=dtype, device=self.device)
+        if not self.find_unused_parameters:
+            self._meta_cache[key] = meta
         return meta
 
-    def _divisor(self, meta: torch.Tensor) -> int:
-        if self._divide_by_initial_world_size or meta.numel() == 0:
+    def _divisor(self, meta: list[float]) -> int:
+        if self._divide_by_initial_world_size or not meta:
             return self._world_size
-        return max(1, round(float(meta[1 : 1 + self._world_size].sum())))
+        return max(1, round(sum(meta[1 : 1 + self._world_size])))
 
     def _rides(self, bucket: _Bucket) -> bool:
         return bucket.meta_len > 0 and self._carries
 
     def _launch(self, bucket: _Bucket, training: bool) -> None:
+        rides = self._rides(bucket)
         if bucket.index == 0:
-            if self._rides(bucket):
-                bucket.buffer[: bucket.meta_len].copy_(self._signal_meta(training))
+            if rides:
+                bucket.buffer[: bucket.meta_len].copy_(self._signal_meta(training, bucket.buffer.dtype))
             elif self.find_unused_parameters or Join.is_active(self):
                 # The metadata cannot ride with these gradients: its own all-reduce, first.
-                separate = self._signal_meta(training).to(self.device, torch.float32)
+                separate = self._signal_meta(training, torch.float32).clone()
                 work = dist.all_reduce(separate, group=self.process_group, async_op=True)
                 self._meta_future = work.get_future().then(lambda f: f.value()[0])
-        if self._rides(bucket):
-            work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-            bucket.future = work.get_future().then(lambda f: f.value()[0])
-            return
-        if self._comm_hook is None:
-            work = dist.all_reduce(bucket.grads, group=self.process_group, async_op=True)
-            bucket.future = work.get_future().then(lambda f: f.value()[0])
+        if rides or self._comm_hook is None:
+            # The built-in reduction, in place: waited for through its work, no callback.
+            bucket.reduced = bucket.buffer if rides else bucket.grads
+            bucket.work = dist.all_reduce(bucket.reduced, group=self.process_group, async_op=True)
             return
         if self._meta_future is not None and not self._divide_by_initial_world_size:
-            divisor = self._divisor(self._meta_future.wait())
+            divisor = self._divisor(self._meta_future.wait().tolist())
         else:
             divisor = self._world_size
         is_last = bucket.index == len(self._buckets) - 1
         grad_bucket = GradBucket(
-            bucket.index, bucket.grads, bucket.params, is_last, divisor, self.process_group
+            bucket.index, bucket.grads, bucket.params, is_last, divisor, self.process_group, bucket.offsets
         )
         bucket.future = self._comm_hook(self._comm_state, grad_bucket)
 
@@ -432,53 +467,53 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     def _complete(self, shadow: bool) -> float | None:
         """Wait for every bucket, write gradients, remember which rank's
         buffers to take next; return the carried heartbeat, if any."""
-        results = []
-        for bucket in self._buckets:
-            assert bucket.future is not None
-            results.append(bucket.future.wait())
+        results = [bucket.result() for bucket in self._buckets]
         first = self._buckets[0]
+        meta: list[float] = []
         if self._rides(first):
-            meta = results[0][: first.meta_len].to(torch.float64, copy=True)
+            meta = results[0][: first.meta_len].tolist()
         elif self._meta_future is not None:
-            meta = self._meta_future.wait().to(torch.float64)
-        else:
-            meta = torch.zeros(0)
+            meta = self._meta_future.wait().tolist()
         divisor = self._divisor(meta)
         used = (
-            [count > 0 for count in meta[1 + self._world_size :].tolist()]
-            if self.find_unused_parameters and meta.numel()
-            else [True] * len(self._params)
+            [count > 0 for count in meta[1 + self._world_size : 1 + self._world_size + len(self._params)]]
+            if self.find_unused_parameters and meta
+            else None
         )
         for bucket, result in zip(self._buckets, results):
-            rides = self._rides(bucket)
-            grads = result[bucket.meta_len :] if rides else result
-            scale = divisor if self._comm_hook is None or rides else 1  # hooks divide themselves
+            builtin = bucket.work is not None  # reduced in place, into this bucket's buffer
+            scale = divisor if builtin else 1  # hooks divide themselves
+            grads = bucket.grads if builtin else result
             if self.gradient_as_bucket_view:
                 if grads.data_ptr() != bucket.grads.data_ptr():
                     bucket.grads.copy_(grads)
                 if scale != 1:
                     bucket.grads.div_(scale)
             for position, param in enumerate(bucket.params):
-                if not used[self._param_index[id(param)]]:
+                if used is not None and not used[self._param_index[id(param)]]:
                     # No rank used it: .grad stays as it was, except on a joined
                     # rank, where an old value must not reach the optimizer.
                     if shadow:
                         param.grad = None
                     continue
                 if self.gradient_as_bucket_view:
-                    param.grad = bucket.grad_view(position)
+                    param.grad = bucket.views[position]
                     continue
-                offset = bucket.offsets[position]
-                reduced = grads[offset : offset + param.numel()].view_as(param)
+                if builtin:
+                    reduced = bucket.views[position]
+                else:
+                    offset = bucket.offsets[position]
+                    reduced = grads[offset : offset + param.numel()].view_as(param)
                 if param.grad is None:
                     param.grad = reduced / scale
                 else:
                     torch.div(reduced, scale, out=param.grad)
-        if meta.numel():
-            active = (meta[1 : 1 + self._world_size] > 0).nonzero()
-            if active.numel():
-                self._buffer_src = int(active[0])
-        return float(meta[0]) if self._rides(first) else None
+        if meta:
+            for rank, flag in enumerate(meta[1 : 1 + self._world_size]):
+                if flag > 0:
+                    self._buffer_src = rank
+                    break
+        return meta[0] if self._rides(first) else None
 
     def _find_unused(self, output: Any, syncing: bool) -> None:
         """Note which parameters the autograd graph of ``output`` reaches.
@@ -570,15 +605,11 @@ class _DDPJoinHook(JoinHook):
         # left unmatched even though nobody needed the result.
         for bucket in ddp._buckets:
             ddp._launch(bucket, training=False)
-        if self.carries_heartbeat:
-            first = ddp._buckets[0].future
-            assert first is not None
-            if not Join.heartbeat_result(ddp, float(first.wait()[0])):
-                for bucket in ddp._buckets[1:]:
-                    assert bucket.future is not None
-                    bucket.future.wait()
-                ddp._reset_iteration()
-                return  # every rank has joined
+        if self.carries_heartbeat and not Join.heartbeat_result(ddp, float(ddp._buckets[0].result()[0])):
+            for bucket in ddp._buckets[1:]:
+                bucket.result()
+            ddp._reset_iteration()
+            return  # every rank has joined
         ddp._complete(shadow=True)
         ddp._reset_iteration()
 
