@@ -68,13 +68,34 @@ def _sum_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tens
     return fut.then(lambda f: f.value()[0])
 
 
-HOOKS = {"allreduce_hook": allreduce_hook, "fp16_compress_hook": fp16_compress_hook, "custom": _sum_hook}
+def _per_gradient_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Reduces through ``bucket.gradients()``, one all-reduce per parameter."""
+    for grad, param in zip(bucket.gradients(), bucket.parameters()):
+        assert grad.shape == param.shape
+        dist.all_reduce(grad.div_(bucket.divisor()))
+    return _done(bucket.buffer())
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+HOOKS = {
+    "allreduce_hook": allreduce_hook,
+    "fp16_compress_hook": fp16_compress_hook,
+    "custom": _sum_hook,
+    "per_gradient": _per_gradient_hook,
+}
 
 
 def _with_hook(rank: int, world_size: int, device: str, backend: str, hook_name: str) -> torch.Tensor:
     dev = rank_device(device, backend, rank)
+    # One parameter per bucket, except for the hook that reads a bucket's gradients one by one.
+    cap = 25.0 if hook_name == "per_gradient" else 0.0001
     model = DistributedDataParallel(
-        make_model().to(dev), device_ids=[dev] if dev.type == "cuda" else None, bucket_cap_mb=0.0001
+        make_model().to(dev), device_ids=[dev] if dev.type == "cuda" else None, bucket_cap_mb=cap
     )
     model.register_comm_hook(None, HOOKS[hook_name])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
