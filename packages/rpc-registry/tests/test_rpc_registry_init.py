@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -153,3 +154,38 @@ def test_shutdown_allows_a_new_session(tcp: str) -> None:
         assert get_worker_info().name == "second"
     finally:
         shutdown(timeout=10.0)
+
+
+def test_rank_above_zero_waits_for_the_store_to_listen_then_connects() -> None:
+    from rpc_registry.api import _await_store
+
+    port = _free_port()
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    def listen_later() -> None:
+        time.sleep(0.3)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+
+    opener = threading.Thread(target=listen_later)
+    opener.start()
+    try:
+        _await_store(f"tcp://127.0.0.1:{port}", 1, timeout=20.0)
+        # It returned because the address accepts connections now, not by giving up.
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        opener.join()
+        listener.close()
+
+
+def test_waiting_for_the_store_gives_up_after_its_timeout_and_skips_rank_zero() -> None:
+    from rpc_registry.api import _await_store
+
+    url = f"tcp://127.0.0.1:{_free_port()}"  # nothing listens there
+    start = time.monotonic()
+    _await_store(url, 0, timeout=20.0)  # rank 0 hosts the store: no wait
+    assert time.monotonic() - start < 10.0
+    start = time.monotonic()
+    _await_store(url, 1, timeout=0.2)
+    assert time.monotonic() - start >= 0.2

@@ -16,6 +16,7 @@ import logging
 import os
 import pickle
 import re
+import socket
 import threading
 import time
 import traceback
@@ -55,6 +56,10 @@ WorkerRef = WorkerInfo | str | int
 _NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9_:\-]+")
 _MAX_NAME_LENGTH: Final = 128
 _NUM_WORKER_THREADS: Final = 16
+# Waiting for the rendezvous store to listen: at most this long, one probe every few ms.
+_STORE_WAIT_S: Final = 30.0
+_STORE_POLL_S: Final = 0.002
+_STORE_PROBE_S: Final = 0.1
 
 
 class _Pickler(pickle.Pickler):
@@ -551,11 +556,39 @@ def _choose_backend(backend: BackendType | None, options: RpcBackendOptions | No
     return default
 
 
+def _await_store(url: str, rank: int, timeout: float) -> None:
+    """On a rank that connects to the rendezvous store (not rank 0), wait until
+    the store's address accepts connections, polling every few milliseconds:
+    torch's store client, started too early, backs off for up to a second.
+    Gives up silently after ``timeout`` (the store's own connect reports errors)."""
+    parsed = urlparse(url)
+    if parsed.scheme == "env":
+        if rank == -1:
+            rank = int(os.environ.get("RANK", "-1"))
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+        port_number = int(port) if port.isdigit() else None
+    elif parsed.scheme == "tcp":
+        host, port_number = parsed.hostname, parsed.port
+    else:
+        return
+    if rank == 0 or not host or port_number is None:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port_number), timeout=_STORE_PROBE_S).close()
+            return
+        except OSError:
+            time.sleep(_STORE_POLL_S)
+
+
 def _rendezvous(
     options: RpcBackendOptions, rank: int, world_size: int | None
 ) -> tuple[Store, int, int | None]:
     url = options.init_method
     scheme = urlparse(url).scheme
+    wait = options.rpc_timeout if 0 < options.rpc_timeout < _STORE_WAIT_S else _STORE_WAIT_S
+    _await_store(url, rank, wait)
     if world_size is None and scheme == "env" and os.environ.get("WORLD_SIZE"):
         world_size = int(os.environ["WORLD_SIZE"])
     if world_size is None:
