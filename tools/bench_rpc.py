@@ -9,12 +9,16 @@ and torch's in alternating order, and measures in each what
 of rank 0, the mean ``rpc_sync`` no-op round trip after 200 warm-up calls,
 the throughput of 2000 ``rpc_async`` no-ops issued then waited for, and the
 bytes both ways per second of ``rpc_sync(echo, x)`` with a 64 MiB tensor.
-Figures are medians over the rounds.
+Figures are medians over the rounds. As ``timeit`` does, each timed section
+starts after a ``gc.collect()`` (both stacks): otherwise the first one to
+allocate enough objects pays for the full collection of what importing torch
+left behind (about 0.1 s here, once per process).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import socket
@@ -78,10 +82,12 @@ def _measure(rank: int, world_size: int, kind: str, port: int, quick: bool) -> d
         sync_calls = _SYNC_CALLS // 4 if quick else _SYNC_CALLS
         for _ in range(_WARMUP):
             api.rpc_sync("w1", noop)
+        gc.collect()
         start = time.perf_counter()
         for _ in range(sync_calls):
             api.rpc_sync("w1", noop)
         out["sync_us"] = (time.perf_counter() - start) / sync_calls * 1e6
+        gc.collect()
         start = time.perf_counter()
         futures = [api.rpc_async("w1", noop) for _ in range(_ASYNC_CALLS)]
         torch.futures.wait_all(futures)
@@ -91,6 +97,7 @@ def _measure(rank: int, world_size: int, kind: str, port: int, quick: bool) -> d
         if not torch.equal(x, y):
             raise AssertionError(f"{kind}: the echoed tensor differs from the one sent")
         echoes = 3 if quick else 10
+        gc.collect()
         start = time.perf_counter()
         for _ in range(echoes):
             y = api.rpc_sync("w1", echo, args=(x,))
