@@ -62,6 +62,15 @@ _STORE_POLL_S: Final = 0.002
 _STORE_PROBE_S: Final = 0.1
 
 
+# The first byte of every payload says how the rest was pickled.
+_PLAIN: Final = 0  # by the C pickler alone: nothing in it is a tensor or an RRef
+_WITH_REFS: Final = 1  # by _Pickler: tensors and RRefs are persistent ids
+
+
+def _plain_payload(obj: object) -> bytes:
+    return b"\x00" + pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+
+
 class _Pickler(pickle.Pickler):
     """Takes tensors out of the payload and turns RRefs into fork descriptions."""
 
@@ -85,7 +94,9 @@ class _Pickler(pickle.Pickler):
 
 class _Unpickler(pickle.Unpickler):
     def __init__(self, message: Message, ctx: RRefContext) -> None:
-        super().__init__(io.BytesIO(message.payload))
+        file = io.BytesIO(message.payload)
+        file.seek(1)  # past the payload's kind
+        super().__init__(file)
         self.message = message
         self.ctx = ctx
 
@@ -196,14 +207,15 @@ def _is_plain(obj: object, budget: int) -> int:
     if kind is tuple or kind is list:
         budget -= 1
         for item in obj:  # type: ignore[attr-defined]
-            budget = _is_plain(item, budget)
+            budget = budget - 1 if type(item) in _PLAIN_LEAVES else _is_plain(item, budget)
             if budget < 0:
                 return budget
         return budget
     if kind is dict:
         budget -= 1
         for key, value in obj.items():  # type: ignore[attr-defined]
-            budget = _is_plain(value, _is_plain(key, budget))
+            budget = budget - 1 if type(key) in _PLAIN_LEAVES else _is_plain(key, budget)
+            budget = budget - 1 if type(value) in _PLAIN_LEAVES else _is_plain(value, budget)
             if budget < 0:
                 return budget
         return budget
@@ -264,8 +276,9 @@ class _RpcState:
         """Pickle ``obj`` for ``dest``; completes once forks it creates are known to their owners."""
         if _is_plain(obj, _PLAIN_BUDGET) >= 0:
             # Nothing in it can be a tensor or an RRef: the C pickler alone.
-            return completed(Message(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)))
+            return completed(Message(_plain_payload(obj)))
         buffer = io.BytesIO()
+        buffer.write(bytes((_WITH_REFS,)))
         pickler = _Pickler(buffer, self.rrefs, dest)
         pickler.dump(obj)
         message = Message(buffer.getvalue(), tuple(pickler.tensors))
@@ -296,21 +309,33 @@ class _RpcState:
         return out
 
     def decode(self, message: Message) -> Any:
+        payload = message.payload
+        kind = payload[0] if payload else -1
+        if kind == _PLAIN:
+            return pickle.loads(memoryview(payload)[1:])
+        if kind != _WITH_REFS:
+            raise ValueError(f"malformed RPC payload: unknown kind {kind} (a peer of another version?)")
         return _Unpickler(message, self.rrefs).load()
 
     # Caller side.
     def request(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Future[Any]:
         result: Future[Any] = Future()
-        call = self.deadlines.add(result, timeout, (self._me.name, to.name, request[0], request[1]))
-        if to.name != self._me.name and _is_plain(request, _PLAIN_BUDGET) >= 0:
-            # The common case, without the futures of encoding: nothing in it is a tensor or an RRef.
-            message = Message(pickle.dumps(request, pickle.HIGHEST_PROTOCOL))
+        plain = to.name != self._me.name and _is_plain(request, _PLAIN_BUDGET) >= 0
+        if plain and self._send_then is not None:
+            # The common case, without the futures of encoding (nothing in it is a tensor or
+            # an RRef) and without a deadline here: the agent times send_then calls out.
             try:
-                if self._send_then is not None:
-                    self._send_then(to, message, timeout, functools.partial(self._finish, call))
-                else:
-                    reply = self.agent.send(to, message, timeout)
-                    reply.add_done_callback(functools.partial(self._complete, call=call))
+                self._send_then(
+                    to, Message(_plain_payload(request)), timeout, functools.partial(self._finish_now, result)
+                )
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                fail(result, exc)
+            return result
+        call = self.deadlines.add(result, timeout, (self._me.name, to.name, request[0], request[1]))
+        if plain:
+            try:
+                reply = self.agent.send(to, Message(_plain_payload(request)), timeout)
+                reply.add_done_callback(functools.partial(self._complete, call=call))
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 self._settle(call, None, exc)
             return result
@@ -365,22 +390,31 @@ class _RpcState:
 
     def _finish(self, call: _Call, outcome: Message | BaseException) -> None:
         """Settle ``call`` with the decoded reply ``outcome`` (or the agent's error)."""
+        self._settle(call, *self._reply_value(outcome))
+
+    def _finish_now(self, result: Future[Any], outcome: Message | BaseException) -> None:
+        """Complete ``result``, which no deadline here tracks, with the reply ``outcome``."""
+        value, error = self._reply_value(outcome)
+        if error is None:
+            result.set_result(value)
+        else:
+            fail(result, error)
+
+    def _reply_value(self, outcome: Message | BaseException) -> tuple[object, BaseException | None]:
+        """The call's value, or its error: the agent's, the decoding's or the remote one."""
         if isinstance(outcome, BaseException):
-            self._settle(call, None, outcome)
-            return
+            return None, outcome
         try:
             status, *body = self.decode(outcome)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
-            self._settle(call, None, exc)
-            return
+            return None, exc
         if status == "ok":
-            self._settle(call, body[0], None)
-            return
+            return body[0], None
         error, remote_traceback = body
         add_note = getattr(error, "add_note", None)
         if add_note is not None:
             add_note(f"Raised on the remote worker:\n{remote_traceback}")
-        self._settle(call, None, error)
+        return None, error
 
     def remote(
         self,

@@ -78,8 +78,10 @@ class RpcAgent(Protocol):
     worker threads). Without the attribute, the handler only decodes the
     request and schedules the call. An agent may also have
     ``send_then(to, message, timeout, callback)``: ``send`` that calls
-    ``callback`` with the reply ``Message`` or the error instead of completing
-    a future; the API uses it for plain calls.
+    ``callback`` exactly once with the reply ``Message`` or the error instead
+    of completing a future; the API uses it for plain calls and relies on the
+    agent for their timeout (a ``TimeoutError`` after ``timeout`` seconds,
+    none when it is 0) and for failing them when it shuts down.
     """
 
     @property
