@@ -116,7 +116,7 @@ def _uneven_tail(rank: int, world_size: int, steps: int, extra: int, rounds: int
     data = torch.randn(32, 256)
     trainers = {kind: _trainer(kind, _mlp) for kind in ("ours", "torch")}
     times: dict[str, list[float]] = {}
-    for round_ in range(rounds):
+    for round_ in range(-1, rounds):  # round -1 warms up, as the other figures do
         for kind, (model, optimizer) in list(trainers.items())[:: 1 if round_ % 2 == 0 else -1]:
             join = model.join()
             dist.barrier()
@@ -127,7 +127,8 @@ def _uneven_tail(rank: int, world_size: int, steps: int, extra: int, rounds: int
                     optimizer.step()
                 start = time.perf_counter()  # rank 0 shadows from here
             tail = time.perf_counter() - start
-            times.setdefault(kind, []).append(tail / extra)
+            if round_ >= 0:
+                times.setdefault(kind, []).append(tail / extra)
     return times
 
 
