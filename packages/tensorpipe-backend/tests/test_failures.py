@@ -40,7 +40,7 @@ def test_killed_peer_fails_its_pending_calls_within_five_seconds_naming_it() -> 
         workers[2].kill()
         killed.set()
         errors, elapsed, survivor, neg = results.get(timeout=30)
-    assert len(errors) == 3 and all(e.startswith("ConnectionError: worker k2") for e in errors), errors
+    assert len(errors) == 4 and all(e.startswith("ConnectionError: worker k2") for e in errors), errors
     assert elapsed < 5.0
     assert survivor == 1 and neg == [-1.0, -1.0]
     assert [w.exitcode for w in workers[:2]] == [0, 0]

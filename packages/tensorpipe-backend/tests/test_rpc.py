@@ -7,10 +7,13 @@ that the security tests can also act as a client that holds it.
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from tpb_workers import (
     add,
     address,
     armed_payload,
+    ask_back,
     async_double,
     describe,
     free_port,
@@ -151,6 +155,44 @@ def test_timed_out_call_raises_and_the_agent_keeps_working() -> None:
     assert time.monotonic() - start < 1.5
     assert rpc_sync("w1", sleep_then, args=(0.0, 5)) == 5
     assert rpc_sync("w1", sleep_then, args=(0.2, 6), timeout=0) == 6
+
+
+def test_sync_calls_from_many_threads_each_get_their_own_reply() -> None:
+    # One waiting thread at a time reads the socket and hands the others their replies.
+    def calls(base: int) -> list[int]:
+        return [rpc_sync("w1", sleep_then, args=(0.0, base + i)) for i in range(40)]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(calls, range(0, 800, 100)))
+    assert results == [list(range(base, base + 40)) for base in range(0, 800, 100)]
+
+
+def test_requests_that_arrive_while_the_caller_waits_run_on_worker_threads() -> None:
+    # w1 calls back while w0's main thread waits for (and reads) the outer reply.
+    answers = rpc_sync("w1", ask_back, args=("w0", 5), timeout=20)
+    assert [value for value, _ in answers] == list(range(5))
+    assert all(name != threading.main_thread().name for _, name in answers), answers
+
+
+def test_an_interrupted_sync_call_leaves_the_connection_working() -> None:
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(Interrupted):
+            rpc_sync("w2", sleep_then, args=(0.6, 1))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert [rpc_sync("w2", sleep_then, args=(0.0, i)) for i in range(20)] == list(range(20))
+    time.sleep(0.6)  # the interrupted call's late reply arrives and is dropped
+    assert rpc_sync("w2", sleep_then, args=(0.0, 21)) == 21
+    assert get_current_agent().peer_transports["w2"] == "unix"
 
 
 def test_calls_from_one_worker_are_handled_in_order() -> None:

@@ -11,6 +11,7 @@ import multiprocessing.synchronize
 import os
 import pickle
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -149,6 +150,17 @@ def sleep_then(seconds: float, value: int) -> int:
     return value
 
 
+def ask_back(via: str, count: int) -> list[tuple[int, str]]:
+    """Call ``via`` ``count`` times while ``via`` waits for this call's reply: what each call
+    returned and the name of the thread of ``via`` that ran it."""
+    return [(sleep_then(0.0, i), rpc_sync(via, thread_name)) for i in range(count)]
+
+
+def thread_name() -> str:
+    """The name of the callee's thread that runs this call."""
+    return threading.current_thread().name
+
+
 def pid() -> int:
     """The callee's process id."""
     return os.getpid()
@@ -208,11 +220,21 @@ def kill_scenario_caller(init_method: str, sent: Any, killed: Any, results: Any,
     init_rpc("k0", backend(), 0, 3, options(init_method))
     pending = [rpc_async("k2", sleep_then, args=(30.0, i), timeout=0) for i in range(3)]
     survivor = rpc_async("k1", sleep_then, args=(1.0, 1))
+    # A thread in rpc_sync reads k2's socket itself while it waits for the reply.
+    sync_error: list[str] = []
+    waiter = threading.Thread(
+        target=lambda: sync_error.append(
+            _error_text(lambda: rpc_sync("k2", sleep_then, args=(30.0, 9), timeout=0))
+        )
+    )
+    waiter.start()
     time.sleep(0.3)
     sent.put("sent")
     killed.wait(30)
     start = time.monotonic()
     errors = [_error_text(future.wait) for future in pending]
+    waiter.join(10)
+    errors += sync_error
     elapsed = time.monotonic() - start
     neg = rpc_sync("k1", torch.neg, args=(torch.ones(2),))
     results.put((errors, elapsed, survivor.wait(), neg.tolist()))

@@ -242,6 +242,8 @@ class _RpcState:
         self.inline = bool(getattr(agent, "handler_may_block", False))
         # An agent's optional send_then(to, message, timeout, callback) (see RpcAgent).
         self._send_then: Callable[..., None] | None = getattr(agent, "send_then", None)
+        # And its optional send_wait(to, message, timeout) -> Message.
+        self._send_wait: Callable[..., Message] | None = getattr(agent, "send_wait", None)
         self.deadlines = _Deadlines()
         self.rrefs = RRefContext(self)
 
@@ -362,6 +364,17 @@ class _RpcState:
         else:
             encoded.add_done_callback(send)
         return result
+
+    def request_wait(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Any:
+        """``request``'s result, waited for in this thread (its error raised)."""
+        send_wait = self._send_wait
+        if send_wait is None or to.name == self._me.name or _is_plain(request, _PLAIN_BUDGET) < 0:
+            return self.request(to, request, timeout).wait()
+        # A plain call to a peer: the agent may read the reply in this thread.
+        value, error = self._reply_value(send_wait(to, Message(_plain_payload(request)), timeout))
+        if error is not None:
+            raise error
+        return value
 
     def _call_now(self, request: tuple[Any, ...], sender: WorkerInfo) -> Future[Message]:
         """Run a plain call in this thread and encode its reply (no future until the reply)."""
@@ -770,7 +783,11 @@ def rpc_sync(
     timeout: float = UNSET_RPC_TIMEOUT,
 ) -> T:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (see ``rpc_async``)."""
-    return rpc_async(to, func, args, kwargs, timeout).wait()
+    _check_callable(func)
+    state = _current()
+    request = ("call", func, tuple(args or ()), dict(kwargs or {}))
+    result: T = state.request_wait(state.worker(to), request, state.resolve_timeout(timeout))
+    return result
 
 
 def remote(

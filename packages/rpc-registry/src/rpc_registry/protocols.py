@@ -81,7 +81,10 @@ class RpcAgent(Protocol):
     ``callback`` exactly once with the reply ``Message`` or the error instead
     of completing a future; the API uses it for plain calls and relies on the
     agent for their timeout (a ``TimeoutError`` after ``timeout`` seconds,
-    none when it is 0) and for failing them when it shuts down.
+    none when it is 0) and for failing them when it shuts down. Likewise an
+    optional ``send_wait(to, message, timeout)`` returns the reply
+    ``Message`` or raises the error; ``rpc_sync`` uses it for plain calls, so
+    that an agent can read the reply in the waiting thread.
     """
 
     @property

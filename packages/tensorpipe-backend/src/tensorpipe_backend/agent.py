@@ -26,6 +26,7 @@ import itertools
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 import sys
@@ -64,6 +65,7 @@ from .wire import (
     encode_descriptors,
     encode_header,
     send_all,
+    small_frame,
     tensor_bytes,
 )
 
@@ -81,6 +83,7 @@ _STRAND_BATCH: Final = 32
 _WATCH_TICK: Final = 0.005
 _WATCH_IDLE_TICKS: Final = 200
 _BATCH_FRAMES: Final = 256
+_WAIT_TICK: Final = 1.0  # a reader waiting for data checks this often whether its connection closed
 _CREDENTIALS: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _KEEPALIVE: Final = {"TCP_KEEPIDLE": 1, "TCP_KEEPINTVL": 1, "TCP_KEEPCNT": 3, "TCP_USER_TIMEOUT": 4000}
 
@@ -225,18 +228,90 @@ class _Pending:
         return f"rpc {self.msg_id} to {self.peer}"
 
 
+class _Reply:
+    """The reply one thread waits for (see :meth:`TensorPipeAgent.send_wait`); set once."""
+
+    __slots__ = ("_ready", "outcome")
+
+    def __init__(self) -> None:
+        self.outcome: Message | BaseException | None = None
+        self._ready = threading.Lock()
+        self._ready.acquire()
+
+    def set(self, outcome: Message | BaseException) -> None:
+        self.outcome = outcome
+        self._ready.release()
+
+    def wait(self) -> Message:
+        """The reply, once set; its error is raised."""
+        self._ready.acquire()
+        outcome = self.outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        return outcome
+
+
+class _DataWait:
+    """Where a connection's reader thread waits for data: an epoll set of the socket and a nudge.
+
+    A thread that reads its own reply (:meth:`TensorPipeAgent.send_wait`)
+    pauses the socket's registration, so that the reader thread sleeps
+    through that reply, and resumes it when done; resuming wakes the reader
+    thread if the socket has data, the nudge if only the buffer has some.
+    Linux only (``supported``); elsewhere replies are always read by the
+    reader thread. Its descriptors live as long as the connection object.
+    """
+
+    supported: Final = hasattr(select, "epoll") and hasattr(os, "eventfd")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._fd = sock.fileno()
+        self._nudge = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # Closed with this object, when no thread can use them any more (the epoll set closes itself).
+        weakref.finalize(self, os.close, self._nudge)
+        self._epoll = select.epoll()
+        self._epoll.register(self._fd, select.EPOLLIN)
+        self._epoll.register(self._nudge, select.EPOLLIN)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s for data or a nudge; whether one came (``False`` once closed)."""
+        try:
+            events = self._epoll.poll(timeout)
+            for fd, _ in events:
+                if fd == self._nudge:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self._nudge)
+        except (OSError, ValueError):  # closed under it
+            return False
+        return bool(events)
+
+    def pause(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._epoll.modify(self._fd, 0)
+
+    def resume(self, nudge: bool) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._epoll.modify(self._fd, select.EPOLLIN)
+            if nudge:
+                os.eventfd_write(self._nudge, 1)
+
+
 class _Connection:
     """One authenticated socket to a peer; ``send_lock`` keeps frames whole.
 
     ``shm`` is set when the peer is on this host and shares its ``/dev/shm``:
     large tensors then travel as shared-memory files, both ways.
 
-    One thread at a time reads it: the one whose token is ``reader``. That
-    thread also processes each frame it reads (runs the request, completes
-    the reply's future); ``busy`` numbers the frame it is processing (``0``
-    while it reads). A reader busy for a whole watch tick, or one that sends
-    a call of its own (and will likely wait for its reply), hands the socket
-    to a new reader thread and ends when its frame is done.
+    One thread at a time reads it: the one whose token is ``reader``, and
+    only while it holds ``read_lock``. The reader thread waits for data
+    without the lock, so that a thread waiting for its own reply can take
+    the lock and read instead (``send_wait``). A reader also processes each
+    frame it reads (runs the request, completes the reply's future);
+    ``busy`` numbers the frame it is processing (``0`` while it reads). A
+    reader busy for a whole watch tick, or one that sends a call of its own
+    (and will likely wait for its reply), hands the socket and the lock to
+    a new reader thread and ends when its frame is done.
     """
 
     def __init__(self, peer: WorkerInfo, sock: socket.socket, shm: SharedFiles | None = None) -> None:
@@ -249,6 +324,10 @@ class _Connection:
         self.closed = False
         self.shm = shm
         self.role_lock = threading.Lock()
+        self.read_lock = threading.Lock()
+        self.poller = select.poll()  # used by whoever holds read_lock
+        self.poller.register(sock, select.POLLIN)
+        self.data_wait = _DataWait(sock) if _DataWait.supported else None
         self.reader = object()
         self.busy = 0
         self.seen = 0
@@ -290,10 +369,13 @@ class TensorPipeAgent:
         self._me = WorkerInfo(name, rank)
         self._world_size = world_size
         self._rpc_timeout = options.rpc_timeout
-        lock = threading.RLock()
+        # One lock guards the agent's state; hot paths take it directly (not through a Condition).
+        self._lock = lock = threading.RLock()
         self._cond = threading.Condition(lock)
         self._timer = threading.Condition(lock)  # wakes only the deadline thread
+        self._idle_waits = 0  # threads waiting for no call in flight (_reply_sent wakes them)
         self._records: dict[str, WorkerRecord] = {}
+        self._infos: dict[str, tuple[WorkerRecord, WorkerInfo]] = {}  # get_worker_info's, per record
         self._conns: dict[str, _Connection] = {}
         self._dialing: set[str] = set()
         self._left: dict[str, str] = {}
@@ -391,7 +473,7 @@ class TensorPipeAgent:
             {n: r.devices for n, r in records.items()},
         )
         reverse = create_reverse_mapping(record.name, names, {n: r.device_maps for n, r in records.items()})
-        with self._cond:
+        with self._lock:
             self._records = records
             self._reverse_maps = reverse
             self._devices = create_device_list(record.devices, self._device_maps, reverse)
@@ -422,7 +504,7 @@ class TensorPipeAgent:
                 {n: r.devices for n, r in records.items()},
                 is_static_group=False,
             )
-            with self._cond:
+            with self._lock:
                 for other in records.values():
                     self._learn(other)
             set_members(store, names)
@@ -451,13 +533,13 @@ class TensorPipeAgent:
         if world_size is not None:
             # A peer may connect before this worker has stored the group's records
             # (the init thread is between the all-gather and here): wait for them.
-            with self._cond:
+            with self._lock:
                 self._cond.wait_for(
                     lambda: name in self._records or len(self._records) >= world_size or self._closed,
                     timeout=self._init_timeout,
                 )
                 return self._records.get(name)
-        with self._cond:
+        with self._lock:
             record = self._records.get(name)
         if record is not None:
             return record
@@ -465,7 +547,7 @@ class TensorPipeAgent:
         if not self._store.check([key]):
             return None
         record = WorkerRecord.from_json(self._store.get(key))
-        with self._cond:
+        with self._lock:
             self._learn(record)
         return record
 
@@ -489,7 +571,7 @@ class TensorPipeAgent:
     @property
     def peer_transports(self) -> dict[str, str]:
         """How this worker reaches each connected peer: ``"unix"`` (a Unix socket, same host) or ``"tcp"``."""
-        with self._cond:
+        with self._lock:
             conns = list(self._conns.values())
         return {
             c.peer.name: "unix" if c.sock.family == socket.AF_UNIX else "tcp" for c in conns if not c.closed
@@ -498,18 +580,18 @@ class TensorPipeAgent:
     @property
     def reverse_device_maps(self) -> dict[str, DeviceMap]:
         """Per peer that maps devices to this worker: {this worker's device: the peer's}, for replies."""
-        with self._cond:
+        with self._lock:
             return {name: dict(map_) for name, map_ in self._reverse_maps.items()}
 
     @property
     def devices(self) -> list[torch.device]:
         """The local CUDA devices this agent handles."""
-        with self._cond:
+        with self._lock:
             return list(self._devices)
 
     def start(self, handler: RequestHandler) -> None:
         """Begin delivering incoming requests (queued ones first) to ``handler``."""
-        with self._cond:
+        with self._lock:
             self._handler = handler
             ready = [s for s in self._strands.values() if s.queue and not s.running]
             for strand in ready:
@@ -521,9 +603,9 @@ class TensorPipeAgent:
         """The named worker's info, or this worker's; ``ValueError`` naming an unknown or departed one."""
         if worker_name is None or worker_name == self._me.name:
             return self._me
-        record = self._record(worker_name)
+        record = self._records.get(worker_name) or self._record(worker_name)
         if record is None:
-            with self._cond:
+            with self._lock:
                 reason = self._left.get(worker_name)
                 known = sorted(self._records)
             if reason is not None:
@@ -531,14 +613,19 @@ class TensorPipeAgent:
             raise ValueError(
                 f"worker_name={worker_name!r}: no worker of this name in the group (known: {known})"
             )
-        return WorkerInfo(record.name, record.rank)
+        cached = self._infos.get(worker_name)
+        if cached is not None and cached[0] is record:
+            return cached[1]
+        info = WorkerInfo(record.name, record.rank)
+        self._infos[worker_name] = (record, info)
+        return info
 
     def get_worker_infos(self) -> list[WorkerInfo]:
         """Every worker known to be in the group, this one included, by rank."""
         if self._world_size is None and not self._closed:
             for name in members(self._store):
                 self._record(name)
-        with self._cond:
+        with self._lock:
             infos = {WorkerInfo(r.name, r.rank) for n, r in self._records.items() if n not in self._left}
         return sorted(infos | {self._me}, key=lambda info: info.id)
 
@@ -559,7 +646,27 @@ class TensorPipeAgent:
         future (it runs on the thread that reads the reply; it must not raise)."""
         self._send(to, message, timeout, callback)
 
-    def _send(self, to: WorkerInfo, message: Message, timeout: float, sink: ReplySink) -> None:
+    def send_wait(self, to: WorkerInfo, message: Message, timeout: float) -> Message:
+        """Send a request to ``to`` and return its reply, raising the error that :meth:`send`'s
+        future would hold.
+
+        When the connection's reader thread is waiting for data, this thread
+        reads the reply itself (one thread wake-up less per call); otherwise
+        the reader thread hands it over.
+        """
+        reply = _Reply()
+        conn = self._send(to, message, timeout, reply.set)
+        if (
+            reply.outcome is None
+            and conn is not None
+            and conn.data_wait is not None
+            and conn.read_lock.acquire(blocking=False)
+        ):
+            self._read_for(conn, reply, time.monotonic() + timeout if timeout > 0 else None)
+        return reply.wait()
+
+    def _send(self, to: WorkerInfo, message: Message, timeout: float, sink: ReplySink) -> _Connection | None:
+        """Send a request; the connection it went out on (``None``: ``sink`` already has the error)."""
         if self._closed:
             raise RuntimeError(f"{self._me.name}: the agent is shut down; call init_rpc() again to send")
         reading = getattr(_local, "reading", None)
@@ -571,7 +678,7 @@ class TensorPipeAgent:
         reason = self._left.get(to.name)
         if reason is not None:
             pending.deliver(ConnectionError(f"worker {to.name} {reason}; the call was not sent"))
-            return
+            return None
         prepared = []
         if message.tensors:
             device_map = self._device_maps.get(to.name, {})
@@ -581,7 +688,7 @@ class TensorPipeAgent:
         if conn is None or conn.closed:
             conn = self._connection(to.name, deadline)
         msg_id = pending.msg_id
-        with self._cond:
+        with self._lock:
             if conn.closed:
                 closed = True
             else:
@@ -602,11 +709,13 @@ class TensorPipeAgent:
                         heapq.heapify(self._deadlines)
         if closed:
             pending.deliver(ConnectionError(f"worker {to.name}: the connection closed before sending"))
-            return
+            return None
         try:
             self._write(conn, Kind.REQUEST, msg_id, message.payload, prepared, pending.shm_tokens)
         except (OSError, FrameError) as exc:
             self._drop(conn, f"sending to it failed ({exc})")
+            return None
+        return conn
 
     def sync(self) -> None:
         """A barrier of the static group (at most ``rpc_timeout`` s); a dynamic group has none."""
@@ -632,8 +741,12 @@ class TensorPipeAgent:
             remaining = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
             if group.all_reduce_sum(self._active(), remaining, what) == 0:
                 break
-            with self._cond:
-                self._cond.wait_for(lambda: self._in_flight == 0, timeout=0.05)
+            with self._lock:
+                self._idle_waits += 1
+                try:
+                    self._cond.wait_for(lambda: self._in_flight == 0, timeout=0.05)
+                finally:
+                    self._idle_waits -= 1
         if shutdown:
             self._goodbye("has shut down")
 
@@ -650,13 +763,18 @@ class TensorPipeAgent:
         return group
 
     def _active(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._in_flight
 
     def _wait_idle(self, deadline: float | None) -> None:
-        with self._cond:
+        with self._lock:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            if not self._cond.wait_for(lambda: self._in_flight == 0, timeout=remaining):
+            self._idle_waits += 1
+            try:
+                idle = self._cond.wait_for(lambda: self._in_flight == 0, timeout=remaining)
+            finally:
+                self._idle_waits -= 1
+            if not idle:
                 raise TimeoutError(
                     f"{self._me.name}: {self._in_flight} calls still in flight when the shutdown timeout "
                     "passed; pass a larger timeout or 0 to wait without limit"
@@ -670,7 +788,7 @@ class TensorPipeAgent:
         self._goodbye("left the group")
 
     def _goodbye(self, reason: str) -> None:
-        with self._cond:
+        with self._lock:
             if self._said_goodbye or self._closed:
                 return
             self._said_goodbye = True
@@ -682,7 +800,7 @@ class TensorPipeAgent:
                 logger.debug("could not say goodbye to %s", conn.peer.name)
 
     def _close_now(self) -> None:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -709,14 +827,14 @@ class TensorPipeAgent:
     # Connections.
     def _spawn(self, target: Callable[..., None], what: str, *args: object) -> None:
         thread = threading.Thread(target=target, args=args, name=f"tpb-{self._me.name}-{what}", daemon=True)
-        with self._cond:
+        with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
             self._threads.append(thread)
         thread.start()
 
     def _connection(self, name: str, deadline: float | None) -> _Connection:
         while True:
-            with self._cond:
+            with self._lock:
                 while True:
                     if self._closed:
                         raise RuntimeError(f"{self._me.name}: the agent is shut down")
@@ -730,13 +848,13 @@ class TensorPipeAgent:
             try:
                 conn = self._dial(name, deadline)
             finally:
-                with self._cond:
+                with self._lock:
                     self._dialing.discard(name)
                     self._cond.notify_all()
             if conn is not None:
                 return conn
             # The peer keeps another connection with us (its own dial, or one it has not seen close).
-            with self._cond:
+            with self._lock:
                 self._cond.wait_for(lambda: name in self._conns, timeout=0.05)
 
     def _wait(self, deadline: float | None, what: str) -> None:
@@ -772,7 +890,7 @@ class TensorPipeAgent:
             return None
         sock.settimeout(None)
         conn = _Connection(WorkerInfo(name, record.rank), sock, self._shared_files(record, sock))
-        with self._cond:
+        with self._lock:
             old = self._conns.get(name)
             self._conns[name] = conn
             self._cond.notify_all()
@@ -807,7 +925,7 @@ class TensorPipeAgent:
                     return
                 time.sleep(0.05)
                 continue
-            with self._cond:
+            with self._lock:
                 if self._handshakes >= _MAX_HANDSHAKES or self._closed:
                     sock.close()
                     continue
@@ -821,7 +939,7 @@ class TensorPipeAgent:
             record = self._record(peer.name)
             if record is None or record.rank != peer.rank:
                 raise AuthenticationError(f"{peer} is not a member of the group")
-            with self._cond:
+            with self._lock:
                 if self._closed:
                     raise AuthenticationError("this worker is shutting down")
                 existing = self._conns.get(peer.name)
@@ -850,7 +968,7 @@ class TensorPipeAgent:
                 _close(sock)
             return
         finally:
-            with self._cond:
+            with self._lock:
                 self._handshakes -= 1
         if not conn:
             _close(sock)
@@ -879,7 +997,7 @@ class TensorPipeAgent:
         return SharedFiles()
 
     def _drop(self, conn: _Connection, reason: str) -> None:
-        with self._cond:
+        with self._lock:
             conn.closed = True
             if self._conns.get(conn.peer.name) is conn:
                 del self._conns[conn.peer.name]
@@ -906,7 +1024,7 @@ class TensorPipeAgent:
         shm_tokens: list[bytes] | None = None,
     ) -> None:
         if not prepared and len(payload) <= _SMALL_PAYLOAD:
-            frame = encode_header(kind, msg_id, len(payload), 0, 0) + payload
+            frame = small_frame(kind, msg_id, payload)
             with conn.send_lock:
                 if conn.closed:
                     raise ConnectionError(f"the connection to {conn.peer.name} is closed")
@@ -955,16 +1073,45 @@ class TensorPipeAgent:
             if not conn.closed:
                 conn.sock.sendall(data)
 
-    def _read_loop(self, conn: _Connection, token: object) -> None:
-        """Read and process frames while this thread holds ``conn``'s reader token."""
+    def _read_loop(self, conn: _Connection, token: object, holding: bool = False) -> None:
+        """Read and process frames while this thread holds ``conn``'s reader token.
+
+        Where ``send_wait`` can read replies in the caller's thread, the
+        reader waits for data without ``read_lock`` (in ``conn.data_wait``)
+        and takes the lock for each frame it reads and processes; elsewhere
+        it keeps the lock. A reader handed the socket (``holding``) starts
+        with the lock of the thread it replaces.
+        """
         reason = "the connection closed"
         stream = conn.stream
+        lock = conn.read_lock
+        data_wait = conn.data_wait
+        if holding and data_wait is not None:
+            data_wait.resume(False)  # it may replace a caller that paused the socket
+        wait = not stream.buffered
         try:
             while True:
-                if not stream.has_frame():
-                    self._flush(conn)  # about to wait for the peer: what was batched goes out first
+                if not holding:
+                    if wait and data_wait is not None:
+                        self._flush(conn)  # about to wait for the peer: what was batched goes out first
+                        if not data_wait.wait(_WAIT_TICK):
+                            if conn.closed:
+                                return
+                            continue
+                    if data_wait is None:
+                        lock.acquire()
+                    elif not lock.acquire(blocking=False):
+                        wait = True  # a caller reads its own reply; it resumes the wait when done
+                        continue
+                    holding = True
+                    if conn.reader is not token or conn.closed:
+                        return
+                    # Should a caller have read what came, read_frame waits for the next frame (with
+                    # the lock: callers wait for their replies meanwhile).
+                elif not stream.has_frame():
+                    self._flush(conn)
                 header, descs, payload = stream.read_frame()
-                tensors, error = self._receive_tensors(conn, descs)
+                tensors, error = self._receive_tensors(conn, descs) if descs else ((), None)
                 with conn.role_lock:
                     conn.busy = next(self._busy_seq)
                 if self._watch_idle:
@@ -978,8 +1125,13 @@ class TensorPipeAgent:
                     tensors = ()  # a pooled shared-memory file is released when its tensor dies
                 with conn.role_lock:
                     if conn.reader is not token:
-                        return  # another thread reads now
+                        holding = False  # another thread reads now, with the lock
+                        return
                     conn.busy = 0
+                if data_wait is not None and not stream.has_frame():
+                    lock.release()
+                    holding = False
+                    wait = not stream.buffered
         except FrameError as exc:
             reason = f"it sent a malformed frame ({exc})"
             logger.warning("%s: closing the connection to %s: %s", self._me.name, conn.peer.name, reason)
@@ -990,6 +1142,72 @@ class TensorPipeAgent:
         finally:
             if conn.reader is token:
                 self._drop(conn, reason)
+            if holding:
+                lock.release()
+
+    def _read_for(self, conn: _Connection, reply: _Reply, deadline: float | None) -> None:
+        """Read ``conn``, whose ``read_lock`` this thread took, until ``reply`` is set; then give the
+        socket back to its reader thread.
+
+        Frames are processed as the reader thread would, except that requests
+        go to the worker threads (a caller's thread runs no peer's function).
+        A frame with tensors, or longer than the read buffer, is left to the
+        reader thread, as is the wait once ``deadline`` has passed.
+        """
+        stream = conn.stream
+        data_wait = conn.data_wait
+        assert data_wait is not None
+        mine: object | None = object()
+        with conn.role_lock:
+            previous, conn.reader = conn.reader, mine
+        data_wait.pause()
+        reason = None
+        try:
+            while reply.outcome is None and not conn.closed:
+                ahead = stream.peek()
+                if ahead is not None and (ahead[1] or ahead[0] > stream.capacity):
+                    return
+                if ahead is None or stream.buffered < ahead[0]:
+                    self._flush(conn)
+                    if deadline is not None:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0 or not conn.poller.poll(remaining * 1000):
+                            return
+                    stream.recv_some()  # an interrupt here loses nothing
+                    continue
+                header, _, payload = stream.read_frame()  # buffered whole: no wait
+                with conn.role_lock:
+                    conn.busy = next(self._busy_seq)
+                if self._watch_idle:
+                    self._watch_idle = False
+                    self._watch_wake.set()
+                _local.reading = (conn, mine)
+                try:
+                    self._dispatch(conn, header.kind, header.msg_id, payload, (), None, inline=False)
+                finally:
+                    _local.reading = None
+                with conn.role_lock:
+                    if conn.reader is not mine:
+                        mine = None  # handed off: the new reader thread has the lock
+                        return
+                    conn.busy = 0
+        except FrameError as exc:
+            reason = f"it sent a malformed frame ({exc})"
+            logger.warning("%s: closing the connection to %s: %s", self._me.name, conn.peer.name, reason)
+        except (OSError, EOFError) as exc:
+            reason = (
+                "the connection closed" if isinstance(exc, EOFError) else f"the connection failed ({exc})"
+            )
+        finally:
+            if mine is not None:
+                with conn.role_lock:
+                    if conn.reader is mine:
+                        conn.reader = previous
+                        conn.busy = 0
+                if reason is not None:
+                    self._drop(conn, reason)
+                conn.read_lock.release()
+                data_wait.resume(stream.buffered > 0)
 
     def _hand_off(self, conn: _Connection, token: object) -> None:
         """Give ``conn`` a new reader thread if ``token``'s holder is processing a frame."""
@@ -998,7 +1216,7 @@ class TensorPipeAgent:
                 return
             conn.reader = token = object()
             conn.busy = conn.seen = 0
-        self._spawn(self._read_loop, f"read-{conn.peer.name}", conn, token)
+        self._spawn(self._read_loop, f"read-{conn.peer.name}", conn, token, True)
         with conn.send_lock:
             kept = bool(conn.batch)
         if kept:
@@ -1009,7 +1227,7 @@ class TensorPipeAgent:
         quiet = 0
         while not self._closed:
             time.sleep(_WATCH_TICK)
-            with self._cond:
+            with self._lock:
                 conns = list(self._conns.values())
             stuck = []
             for conn in conns:
@@ -1028,7 +1246,8 @@ class TensorPipeAgent:
             # Idle: sleep until a reader starts processing (it sets the event when it sees the flag).
             self._watch_wake.clear()
             self._watch_idle = True
-            if not any(conn.busy for conn in conns):
+            # _close_now sets _closed before the event: checked after clear(), no wake-up is lost.
+            if not self.is_shut_down and not any(conn.busy for conn in conns):
                 self._watch_wake.wait()
             self._watch_idle = False
             quiet = 0
@@ -1077,14 +1296,15 @@ class TensorPipeAgent:
         payload: bytes,
         tensors: tuple[torch.Tensor, ...],
         error: str | None,
+        inline: bool = True,
     ) -> None:
         if kind is Kind.REQUEST:
             if error is not None:
                 self._write(conn, Kind.ERROR, msg_id, error.encode(), [])
                 return
-            self._enqueue(conn, msg_id, Message(payload, tensors))
+            self._enqueue(conn, msg_id, Message(payload, tensors), inline)
         elif kind is Kind.REPLY or kind is Kind.ERROR:
-            with self._cond:  # against _drop, which fails what is left
+            with self._lock:  # against _drop, which fails what is left
                 entry = conn.pending.pop(msg_id, None)
             if entry is None:
                 logger.debug("%s: late reply %d from %s dropped", self._me.name, msg_id, conn.peer.name)
@@ -1103,12 +1323,12 @@ class TensorPipeAgent:
         elif kind is Kind.PING:
             self._write(conn, Kind.PONG, msg_id, b"", [])
         elif kind is Kind.PONG:
-            with self._cond:
+            with self._lock:
                 event = self._pings.pop(msg_id, None)
             if event is not None:
                 event.set()
         elif kind is Kind.GOODBYE:
-            with self._cond:
+            with self._lock:
                 self._left[conn.peer.name] = payload.decode(errors="replace")[:200]
                 if self._world_size is None:
                     self._records.pop(conn.peer.name, None)
@@ -1131,30 +1351,30 @@ class TensorPipeAgent:
         conn = self._connection(name, deadline)
         event = threading.Event()
         msg_id = next(self._ids)
-        with self._cond:
+        with self._lock:
             self._pings[msg_id] = event
         self._write(conn, Kind.PING, msg_id, b"", [])
         if not event.wait(max(deadline - time.monotonic(), 0.0)):
-            with self._cond:
+            with self._lock:
                 self._pings.pop(msg_id, None)
             raise TimeoutError(f"{self._me.name}: worker {name} did not answer a ping within {timeout:g} s")
 
     # Incoming requests.
-    def _enqueue(self, conn: _Connection, msg_id: int, message: Message) -> None:
+    def _enqueue(self, conn: _Connection, msg_id: int, message: Message, inline: bool = True) -> None:
         """Hand a request to the handler, in the order its peer sent it.
 
         When none of the peer's requests is queued or being handed over, the
-        reader thread calls the handler itself (the RPC layer's handler only
-        decodes the request and schedules the call); otherwise it queues the
-        request for the peer's strand.
+        reader thread calls the handler itself (``inline``); otherwise, or for
+        a caller's thread reading its reply, it queues the request for the
+        peer's strand.
         """
-        with self._cond:
+        with self._lock:
             self._in_flight += 1
             strand = self._strands.get(conn.peer.name)
             if strand is None:
                 strand = self._strands[conn.peer.name] = _Strand()
             handler = self._handler
-            if strand.running or strand.queue or handler is None:
+            if strand.running or strand.queue or handler is None or not inline:
                 strand.queue.append((conn, msg_id, message))
                 if strand.running or handler is None:
                     return
@@ -1178,7 +1398,7 @@ class TensorPipeAgent:
 
     def _drain(self, strand: _Strand) -> None:
         for _ in range(_STRAND_BATCH):
-            with self._cond:
+            with self._lock:
                 if not strand.queue:
                     strand.running = False
                     return
@@ -1197,7 +1417,7 @@ class TensorPipeAgent:
         if message is None or message.tensors or len(message.payload) > _SMALL_PAYLOAD:
             self._send_reply_now(conn, msg_id, reply)
             return
-        frame = encode_header(Kind.REPLY, msg_id, len(message.payload), 0, 0) + message.payload
+        frame = small_frame(Kind.REPLY, msg_id, message.payload)
         reading = getattr(_local, "reading", None)
         try:
             with conn.send_lock:
@@ -1224,9 +1444,9 @@ class TensorPipeAgent:
 
     def _reply_sent(self) -> None:
         """One call fewer in flight; wake the idle waits when none is left."""
-        with self._cond:
+        with self._lock:
             self._in_flight -= 1
-            if self._in_flight == 0:  # only idle waits watch the count
+            if self._in_flight == 0 and self._idle_waits:
                 self._cond.notify_all()
 
     def _send_reply_now(self, conn: _Connection, msg_id: int, reply: Future[Message]) -> None:
@@ -1235,7 +1455,7 @@ class TensorPipeAgent:
                 message = reply.value()
                 prepared = []
                 if message.tensors:
-                    with self._cond:
+                    with self._lock:
                         reverse = self._reverse_maps.get(conn.peer.name, {})
                     prepared = [
                         prepare_tensor(t, reverse, conn.peer.name, is_request=False) for t in message.tensors
@@ -1253,7 +1473,7 @@ class TensorPipeAgent:
     # Per-call timeouts.
     def _deadline_loop(self) -> None:
         while True:
-            with self._timer:
+            with self._lock:
                 while not self._closed and (not self._deadlines or self._deadlines[0][0] > time.monotonic()):
                     delay = self._deadlines[0][0] - time.monotonic() if self._deadlines else 1.0
                     self._timer.wait(min(delay, 1.0))

@@ -51,6 +51,7 @@ __all__ = [
     "encode_header",
     "recv_exact",
     "recv_into",
+    "small_frame",
     "tensor_bytes",
 ]
 
@@ -178,18 +179,33 @@ def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     """Unpack and check a header of exactly ``HEADER.size`` bytes."""
     if len(data) != HEADER.size:
         raise FrameError(f"a header has {HEADER.size} bytes, got {len(data)}")
-    magic, kind, msg_id, payload_len, tensor_count, descriptors_len = HEADER.unpack(data)
+    return _checked_header(*HEADER.unpack(data))
+
+
+def _checked_header(
+    magic: bytes, kind: int, msg_id: int, payload_len: int, tensor_count: int, descriptors_len: int
+) -> FrameHeader:
     if magic != MAGIC:
         raise FrameError(f"bad magic {bytes(magic)!r}: the peer does not speak this protocol")
     frame_kind = _KINDS.get(kind)
     if frame_kind is None:
         raise FrameError(f"unknown frame kind {kind}")
+    if tensor_count == 0:
+        if descriptors_len != 0:
+            raise FrameError(f"descriptor block of {descriptors_len} bytes for no tensors")
+        if payload_len > MAX_PAYLOAD_BYTES:
+            _check_sizes(payload_len, tensor_count, descriptors_len)
+        return FrameHeader(frame_kind, msg_id, payload_len, 0, 0)
     _check_sizes(payload_len, tensor_count, descriptors_len)
-    if tensor_count == 0 and descriptors_len != 0:
-        raise FrameError(f"descriptor block of {descriptors_len} bytes for no tensors")
-    if frame_kind not in (Kind.REQUEST, Kind.REPLY) and tensor_count:
+    if frame_kind is not Kind.REQUEST and frame_kind is not Kind.REPLY:
         raise FrameError(f"a {frame_kind.name} frame carries no tensors, got {tensor_count}")
     return FrameHeader(frame_kind, msg_id, payload_len, tensor_count, descriptors_len)
+
+
+def small_frame(kind: Kind, msg_id: int, payload: bytes) -> bytes:
+    """A whole frame without tensors; ``msg_id`` must fit in 64 bits and ``payload`` be at most
+    ``MAX_PAYLOAD_BYTES`` long (the caller knows it does)."""
+    return HEADER.pack(MAGIC, kind, msg_id, len(payload), 0, 0) + payload
 
 
 def encode_descriptors(descriptors: Sequence[TensorDescriptor]) -> bytes:
@@ -331,17 +347,57 @@ class FrameReader:
         _, _, _, payload_len, _, descriptors_len = HEADER.unpack_from(self._view, self._start)
         return bool(available >= HEADER.size + descriptors_len + payload_len)
 
+    @property
+    def buffered(self) -> int:
+        """How many received bytes wait in the buffer."""
+        return self._end - self._start
+
+    def peek(self) -> tuple[int, int] | None:
+        """The next frame's length without its tensor data, and its tensor count; ``None`` until its
+        header is buffered."""
+        if self._end - self._start < HEADER.size:
+            return None
+        _, _, _, payload_len, tensor_count, descriptors_len = HEADER.unpack_from(self._view, self._start)
+        return HEADER.size + descriptors_len + payload_len, tensor_count
+
+    @property
+    def capacity(self) -> int:
+        """The buffer's size: the longest frame (without tensor data) that :meth:`recv_some` can gather."""
+        return len(self._buffer)
+
+    def recv_some(self) -> None:
+        """Wait for the socket and buffer what it has; ``EOFError`` when the peer closed it.
+
+        Nothing buffered is consumed, so an exception raised while waiting (a
+        ``KeyboardInterrupt``) leaves the stream intact.
+        """
+        if self._end == len(self._buffer):
+            kept = self._end - self._start
+            self._view[:kept] = self._view[self._start : self._end]
+            self._start, self._end = 0, kept
+            if kept == len(self._buffer):
+                raise ValueError("the buffer is full: read the buffered frame first")
+        count = self._sock.recv_into(self._view[self._end :])
+        if count == 0:
+            raise EOFError(f"connection closed with {self._end - self._start} bytes of a frame buffered")
+        self._end += count
+
     def read_frame(self) -> tuple[FrameHeader, list[TensorDescriptor], bytes]:
         """The next frame's header, descriptors and payload; its tensor data follows (see ``read_into``)."""
-        self._fill(HEADER.size)
-        header = decode_header(self._view[self._start : self._start + HEADER.size])
-        self._start += HEADER.size
-        descriptors = (
-            decode_descriptors(self.read_bytes(header.descriptors_len), header.tensor_count)
-            if header.tensor_count
-            else []
-        )
-        return header, descriptors, self.read_bytes(header.payload_len)
+        if self._end - self._start < HEADER.size:
+            self._fill(HEADER.size)
+        header = _checked_header(*HEADER.unpack_from(self._view, self._start))
+        start = self._start = self._start + HEADER.size
+        if header.tensor_count:
+            descriptors = decode_descriptors(self.read_bytes(header.descriptors_len), header.tensor_count)
+            start = self._start
+        else:
+            descriptors = []
+        size = header.payload_len
+        if self._end - start >= size:  # buffered: the common case
+            self._start = start + size
+            return header, descriptors, bytes(self._view[start : start + size])
+        return header, descriptors, self.read_bytes(size)
 
     def read_bytes(self, size: int) -> bytes:
         """The next ``size`` bytes."""
