@@ -9,7 +9,8 @@ it reads itself: the called function, the completion of a reply's future.
 A reader that calls out, or is still busy after a watch tick (5 ms), hands
 the socket to a new reader thread, so a slow or nested call never stalls the
 connection; requests of one peer reach the handler in the order the peer
-sent them. Liveness comes from TCP keepalive and ``TCP_USER_TIMEOUT`` (about
+sent them. A thread waiting in ``send_wait`` (``rpc_sync``) reads its reply
+itself when the reader thread is idle (Linux). Liveness comes from TCP keepalive and ``TCP_USER_TIMEOUT`` (about
 four seconds); a killed process is noticed at once because its kernel
 closes its sockets.
 """
