@@ -7,6 +7,7 @@ that the security tests can also act as a client that holds it.
 from __future__ import annotations
 
 import contextlib
+import random
 import signal
 import socket
 import struct
@@ -22,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tpb_workers import (
+    NOTED,
     TOKEN,
     add,
     address,
@@ -29,6 +31,7 @@ from tpb_workers import (
     ask_back,
     async_double,
     describe,
+    flood,
     free_port,
     nested_add_one,
     options,
@@ -193,6 +196,39 @@ def test_an_interrupted_sync_call_leaves_the_connection_working() -> None:
     time.sleep(0.6)  # the interrupted call's late reply arrives and is dropped
     assert rpc_sync("w2", sleep_then, args=(0.0, 21)) == 21
     assert get_current_agent().peer_transports["w2"] == "unix"
+
+
+def test_signals_that_raise_during_sync_calls_lose_no_incoming_call() -> None:
+    # w1 floods w0 while a timer interrupts w0's main thread, mostly within rpc_sync.
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    NOTED.clear()
+    flooding = rpc_async("w1", flood, args=("w0", 1000), timeout=40)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    interrupted, rng = 0, random.Random(0)
+    try:
+        while not flooding.done():
+            try:
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(5e-5, 2e-3))
+                rpc_sync("w1", sleep_then, args=(0.0, 1), timeout=5)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            except Interrupted:
+                interrupted += 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupted > 0
+    assert flooding.wait() == list(range(1000))
+    assert list(range(1000)) == NOTED
+    assert rpc_sync("w1", sleep_then, args=(0.0, 2), timeout=5) == 2
+    deadline = time.monotonic() + 5
+    while get_current_agent()._active() and time.monotonic() < deadline:
+        time.sleep(0.01)  # late replies of interrupted calls arrive and are dropped
+    assert get_current_agent()._active() == 0
 
 
 def test_calls_from_one_worker_are_handled_in_order() -> None:

@@ -156,6 +156,29 @@ def ask_back(via: str, count: int) -> list[tuple[int, str]]:
     return [(sleep_then(0.0, i), rpc_sync(via, thread_name)) for i in range(count)]
 
 
+NOTED: list[int] = []
+
+
+def note(value: int) -> int:
+    """Record ``value`` in this process, in call order, and return it."""
+    NOTED.append(value)
+    return value
+
+
+def flood(via: str, count: int) -> list[int | str]:
+    """Call ``note(i)`` on ``via`` for ``i`` in ``range(count)``, all at once; the values, or the
+    errors' text."""
+    futures = [rpc_async(via, note, args=(i,), timeout=20) for i in range(count)]
+    return [_outcome(future) for future in futures]
+
+
+def _outcome(future: Future[int]) -> int | str:
+    try:
+        return future.wait()
+    except Exception as exc:  # noqa: BLE001 - the text is the result
+        return f"{type(exc).__name__}: {exc}"
+
+
 def thread_name() -> str:
     """The name of the callee's thread that runs this call."""
     return threading.current_thread().name

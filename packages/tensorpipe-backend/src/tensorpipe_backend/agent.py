@@ -253,6 +253,18 @@ class _Reply:
         return outcome
 
 
+_OWNER: Final = "owner"
+
+
+class _Session:
+    """A thread reading its own reply (see ``TensorPipeAgent._read_for``)."""
+
+    __slots__ = ("thread",)
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+
 class _DataWait:
     """Where a connection's reader thread waits for data: an epoll set of the socket and a nudge.
 
@@ -304,15 +316,17 @@ class _Connection:
     ``shm`` is set when the peer is on this host and shares its ``/dev/shm``:
     large tensors then travel as shared-memory files, both ways.
 
-    One thread at a time reads it: the one whose token is ``reader``, and
-    only while it holds ``read_lock``. The reader thread waits for data
-    without the lock, so that a thread waiting for its own reply can take
-    the lock and read instead (``send_wait``). A reader also processes each
+    One thread at a time reads it: the one that owns ``stream`` (``owner``).
+    The reader thread, whose token is ``reader``, waits for data without
+    owning the stream, so that a thread waiting for its own reply can take
+    it and read that reply (``send_wait``). A reader also processes each
     frame it reads (runs the request, completes the reply's future);
     ``busy`` numbers the frame it is processing (``0`` while it reads). A
     reader busy for a whole watch tick, or one that sends a call of its own
-    (and will likely wait for its reply), hands the socket and the lock to
-    a new reader thread and ends when its frame is done.
+    (and will likely wait for its reply), hands the socket and the stream
+    to a new reader thread and ends when its frame is done. Ownership is a
+    dict entry set with ``setdefault``: one C call, so that whoever owns the
+    stream can always be told, even after an interrupted thread.
     """
 
     def __init__(self, peer: WorkerInfo, sock: socket.socket, shm: SharedFiles | None = None) -> None:
@@ -325,8 +339,8 @@ class _Connection:
         self.closed = False
         self.shm = shm
         self.role_lock = threading.Lock()
-        self.read_lock = threading.Lock()
-        self.poller = select.poll()  # used by whoever holds read_lock
+        self.owner: dict[str, object] = {}  # _OWNER: the reader token or _Session that owns the stream
+        self.poller = select.poll()  # used by the stream's owner
         self.poller.register(sock, select.POLLIN)
         self.data_wait = _DataWait(sock) if _DataWait.supported else None
         self.reader = object()
@@ -656,18 +670,24 @@ class TensorPipeAgent:
         the reader thread hands it over.
         """
         reply = _Reply()
-        conn = self._send(to, message, timeout, reply.set)
-        if (
-            reply.outcome is None
-            and conn is not None
-            and conn.data_wait is not None
-            and conn.read_lock.acquire(blocking=False)
-        ):
-            self._read_for(conn, reply, time.monotonic() + timeout if timeout > 0 else None)
-        return reply.wait()
+        sent = self._send(to, message, timeout, reply.set)
+        if sent is None:
+            return reply.wait()
+        conn, msg_id = sent
+        try:
+            if reply.outcome is None and conn.data_wait is not None:
+                self._read_for(conn, msg_id, reply, time.monotonic() + timeout if timeout > 0 else None)
+            return reply.wait()
+        except BaseException:
+            # Interrupted (a signal handler raised): nobody waits for the reply any more.
+            self._forget(conn, msg_id)
+            raise
 
-    def _send(self, to: WorkerInfo, message: Message, timeout: float, sink: ReplySink) -> _Connection | None:
-        """Send a request; the connection it went out on (``None``: ``sink`` already has the error)."""
+    def _send(
+        self, to: WorkerInfo, message: Message, timeout: float, sink: ReplySink
+    ) -> tuple[_Connection, int] | None:
+        """Send a request; the connection it went out on and its id (``None``: ``sink`` already has
+        the error)."""
         if self._closed:
             raise RuntimeError(f"{self._me.name}: the agent is shut down; call init_rpc() again to send")
         reading = getattr(_local, "reading", None)
@@ -716,7 +736,7 @@ class TensorPipeAgent:
         except (OSError, FrameError) as exc:
             self._drop(conn, f"sending to it failed ({exc})")
             return None
-        return conn
+        return conn, msg_id
 
     def sync(self) -> None:
         """A barrier of the static group (at most ``rpc_timeout`` s); a dynamic group has none."""
@@ -1077,18 +1097,18 @@ class TensorPipeAgent:
     def _read_loop(self, conn: _Connection, token: object, holding: bool = False) -> None:
         """Read and process frames while this thread holds ``conn``'s reader token.
 
-        Where ``send_wait`` can read replies in the caller's thread, the
-        reader waits for data without ``read_lock`` (in ``conn.data_wait``)
-        and takes the lock for each frame it reads and processes; elsewhere
-        it keeps the lock. A reader handed the socket (``holding``) starts
-        with the lock of the thread it replaces.
+        Where ``send_wait`` can read its reply in the caller's thread, the
+        reader waits for data without owning the stream (in ``conn.data_wait``)
+        and takes ``conn.owner`` for each run of frames it reads and
+        processes; elsewhere it keeps it. A reader handed the socket
+        (``holding``) owns the stream from the start.
         """
         reason = "the connection closed"
         stream = conn.stream
-        lock = conn.read_lock
+        owner = conn.owner
         data_wait = conn.data_wait
         if holding and data_wait is not None:
-            data_wait.resume(False)  # it may replace a caller that paused the socket
+            data_wait.resume(False)
         wait = not stream.buffered
         try:
             while True:
@@ -1098,19 +1118,20 @@ class TensorPipeAgent:
                         if not data_wait.wait(_WAIT_TICK):
                             if conn.closed:
                                 return
+                            self._heal(conn)
+                            wait = not stream.buffered
                             continue
-                    if data_wait is None:
-                        lock.acquire()
-                    elif not lock.acquire(blocking=False):
-                        wait = True  # a caller reads its own reply; it resumes the wait when done
+                    if owner.setdefault(_OWNER, token) is not token:
+                        # A caller reads its own reply and resumes the wait when done, unless a
+                        # signal cut it short: then the stream is taken back here.
+                        self._heal(conn)
+                        wait = True
                         continue
                     holding = True
                     if conn.reader is not token or conn.closed:
                         return
-                    # Should a caller have read what came, read_frame waits for the next frame (with
-                    # the lock: callers wait for their replies meanwhile).
-                elif not stream.has_frame():
-                    self._flush(conn)
+                if not stream.has_frame():
+                    self._flush(conn)  # read_frame may wait for the peer
                 header, descs, payload = stream.read_frame()
                 tensors, error = self._receive_tensors(conn, descs) if descs else ((), None)
                 with conn.role_lock:
@@ -1126,11 +1147,11 @@ class TensorPipeAgent:
                     tensors = ()  # a pooled shared-memory file is released when its tensor dies
                 with conn.role_lock:
                     if conn.reader is not token:
-                        holding = False  # another thread reads now, with the lock
+                        holding = False  # another thread reads now; it owns the stream
                         return
                     conn.busy = 0
                 if data_wait is not None and not stream.has_frame():
-                    lock.release()
+                    owner.pop(_OWNER, None)
                     holding = False
                     wait = not stream.buffered
         except FrameError as exc:
@@ -1143,55 +1164,40 @@ class TensorPipeAgent:
         finally:
             if conn.reader is token:
                 self._drop(conn, reason)
-            if holding:
-                lock.release()
+            if holding and owner.get(_OWNER) is token:
+                owner.pop(_OWNER, None)
 
-    def _read_for(self, conn: _Connection, reply: _Reply, deadline: float | None) -> None:
-        """Read ``conn``, whose ``read_lock`` this thread took, until ``reply`` is set; then give the
-        socket back to its reader thread.
+    def _read_for(self, conn: _Connection, msg_id: int, reply: _Reply, deadline: float | None) -> None:
+        """Read the reply to ``msg_id`` in this thread if ``conn``'s stream is free and that reply
+        is the next frame; then give the stream back.
 
-        Frames are processed as the reader thread would, except that requests
-        go to the worker threads (a caller's thread runs no peer's function).
-        A frame with tensors, or longer than the read buffer, is left to the
-        reader thread, as is the wait once ``deadline`` has passed.
+        Any other frame ends the wait here: the reader thread processes it,
+        so no other call's callback and no peer's function runs in the
+        caller's thread. The wait also ends at ``deadline``. This may be the
+        main thread, where a signal handler can raise between any two
+        steps: the reply is consumed whole in one step (a lost reply is the
+        interrupted call's own), and a stream left owned by a session that
+        ended is taken back by the reader thread (:meth:`_heal`).
         """
-        stream = conn.stream
         data_wait = conn.data_wait
         assert data_wait is not None
-        mine: object | None = object()
-        with conn.role_lock:
-            previous, conn.reader = conn.reader, mine
-        data_wait.pause()
+        owner, stream, session = conn.owner, conn.stream, _Session()
+        if owner.setdefault(_OWNER, session) is not session:
+            return  # the reader thread is reading: it hands the reply over
         reason = None
         try:
+            data_wait.pause()  # the reader thread sleeps through this reply
             while reply.outcome is None and not conn.closed:
-                ahead = stream.peek()
-                if ahead is not None and (ahead[1] or ahead[0] > stream.capacity):
+                taken = stream.take_reply(msg_id)
+                if taken is False:
                     return
-                if ahead is None or stream.buffered < ahead[0]:
-                    self._flush(conn)
-                    if deadline is not None:
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0 or not conn.poller.poll(remaining * 1000):
-                            return
-                    stream.recv_some()  # an interrupt here loses nothing
-                    continue
-                header, _, payload = stream.read_frame()  # buffered whole: no wait
-                with conn.role_lock:
-                    conn.busy = next(self._busy_seq)
-                if self._watch_idle:
-                    self._watch_idle = False
-                    self._watch_wake.set()
-                _local.reading = (conn, mine)
-                try:
-                    self._dispatch(conn, header.kind, header.msg_id, payload, (), None, inline=False)
-                finally:
-                    _local.reading = None
-                with conn.role_lock:
-                    if conn.reader is not mine:
-                        mine = None  # handed off: the new reader thread has the lock
+                if taken is True:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
                         return
-                    conn.busy = 0
+                    conn.poller.poll(None if remaining is None else remaining * 1000)
+                    continue
+                self._take_reply(conn, taken[0], msg_id, taken[1], (), None)
         except FrameError as exc:
             reason = f"it sent a malformed frame ({exc})"
             logger.warning("%s: closing the connection to %s: %s", self._me.name, conn.peer.name, reason)
@@ -1200,15 +1206,42 @@ class TensorPipeAgent:
                 "the connection closed" if isinstance(exc, EOFError) else f"the connection failed ({exc})"
             )
         finally:
-            if mine is not None:
-                with conn.role_lock:
-                    if conn.reader is mine:
-                        conn.reader = previous
-                        conn.busy = 0
-                if reason is not None:
-                    self._drop(conn, reason)
-                conn.read_lock.release()
-                data_wait.resume(stream.buffered > 0)
+            if reason is not None:
+                self._drop(conn, reason)
+            self._end_session(conn, session)
+
+    def _forget(self, conn: _Connection, msg_id: int) -> None:
+        """Stop waiting for the reply to ``msg_id`` (its caller was interrupted)."""
+        with self._lock:
+            entry = conn.pending.pop(msg_id, None)
+        if entry is not None:
+            if conn.shm is not None:
+                conn.shm.release(entry.shm_tokens)
+            self._reply_sent()
+
+    @staticmethod
+    def _end_session(conn: _Connection, session: _Session) -> None:
+        """Give the stream ``session`` owns back to the reader thread (safe to repeat)."""
+        if conn.owner.get(_OWNER) is session and conn.data_wait is not None:
+            # Resumed before it is released, so no other session's pause is undone.
+            conn.data_wait.resume(conn.stream.buffered > 0)
+            conn.owner.pop(_OWNER, None)
+
+    def _heal(self, conn: _Connection) -> None:
+        """Take the stream back from a session whose thread left ``_read_for`` without giving it
+        back (a signal handler raised at the wrong moment)."""
+        session = conn.owner.get(_OWNER)
+        if not isinstance(session, _Session):
+            return
+        frame = sys._current_frames().get(session.thread)  # the documented way to see another thread
+        while frame is not None:
+            if frame.f_code is _READ_FOR_CODE:
+                return  # still reading
+            frame = frame.f_back
+        logger.debug(
+            "%s: taking back the stream of %s from an interrupted call", self._me.name, conn.peer.name
+        )
+        self._end_session(conn, session)
 
     def _hand_off(self, conn: _Connection, token: object) -> None:
         """Give ``conn`` a new reader thread if ``token``'s holder is processing a frame."""
@@ -1216,6 +1249,7 @@ class TensorPipeAgent:
             if conn.reader is not token or not conn.busy or conn.closed:
                 return
             conn.reader = token = object()
+            conn.owner[_OWNER] = token  # the busy reader owns the stream: it passes to the new one
             conn.busy = conn.seen = 0
         self._spawn(self._read_loop, f"read-{conn.peer.name}", conn, token, True)
         with conn.send_lock:
@@ -1297,30 +1331,14 @@ class TensorPipeAgent:
         payload: bytes,
         tensors: tuple[torch.Tensor, ...],
         error: str | None,
-        inline: bool = True,
     ) -> None:
         if kind is Kind.REQUEST:
             if error is not None:
                 self._write(conn, Kind.ERROR, msg_id, error.encode(), [])
                 return
-            self._enqueue(conn, msg_id, Message(payload, tensors), inline)
+            self._enqueue(conn, msg_id, Message(payload, tensors))
         elif kind is Kind.REPLY or kind is Kind.ERROR:
-            with self._lock:  # against _drop, which fails what is left
-                entry = conn.pending.pop(msg_id, None)
-            if entry is None:
-                logger.debug("%s: late reply %d from %s dropped", self._me.name, msg_id, conn.peer.name)
-                return
-            if conn.shm is not None:
-                conn.shm.release(entry.shm_tokens)
-            outcome: Message | BaseException
-            if kind is Kind.ERROR:
-                text = payload.decode(errors="replace")
-                outcome = RuntimeError(f"worker {conn.peer.name} could not handle {entry.what}: {text}")
-            elif error is not None:
-                outcome = RuntimeError(f"the reply to {entry.what} cannot be placed here: {error}")
-            else:
-                outcome = Message(payload, tensors)
-            self._complete(entry, outcome)
+            self._take_reply(conn, kind, msg_id, payload, tensors, error)
         elif kind is Kind.PING:
             self._write(conn, Kind.PONG, msg_id, b"", [])
         elif kind is Kind.PONG:
@@ -1334,6 +1352,33 @@ class TensorPipeAgent:
                 if self._world_size is None:
                     self._records.pop(conn.peer.name, None)
                     self._reverse_maps.pop(conn.peer.name, None)
+
+    def _take_reply(
+        self,
+        conn: _Connection,
+        kind: Kind,
+        msg_id: int,
+        payload: bytes,
+        tensors: tuple[torch.Tensor, ...],
+        error: str | None,
+    ) -> None:
+        """Complete the call ``msg_id`` with a REPLY or ERROR frame."""
+        with self._lock:  # against _drop, which fails what is left
+            entry = conn.pending.pop(msg_id, None)
+        if entry is None:
+            logger.debug("%s: late reply %d from %s dropped", self._me.name, msg_id, conn.peer.name)
+            return
+        if conn.shm is not None:
+            conn.shm.release(entry.shm_tokens)
+        outcome: Message | BaseException
+        if kind is Kind.ERROR:
+            text = payload.decode(errors="replace")
+            outcome = RuntimeError(f"worker {conn.peer.name} could not handle {entry.what}: {text}")
+        elif error is not None:
+            outcome = RuntimeError(f"the reply to {entry.what} cannot be placed here: {error}")
+        else:
+            outcome = Message(payload, tensors)
+        self._complete(entry, outcome)
 
     def _submit(self, fn: Callable[..., None], *args: object) -> None:
         try:
@@ -1361,13 +1406,13 @@ class TensorPipeAgent:
             raise TimeoutError(f"{self._me.name}: worker {name} did not answer a ping within {timeout:g} s")
 
     # Incoming requests.
-    def _enqueue(self, conn: _Connection, msg_id: int, message: Message, inline: bool = True) -> None:
+    def _enqueue(self, conn: _Connection, msg_id: int, message: Message) -> None:
         """Hand a request to the handler, in the order its peer sent it.
 
         When none of the peer's requests is queued or being handed over, the
-        reader thread calls the handler itself (``inline``); otherwise, or for
-        a caller's thread reading its reply, it queues the request for the
-        peer's strand.
+        reader thread calls the handler itself (the RPC layer's handler only
+        decodes the request and schedules the call); otherwise it queues the
+        request for the peer's strand.
         """
         with self._lock:
             self._in_flight += 1
@@ -1375,7 +1420,7 @@ class TensorPipeAgent:
             if strand is None:
                 strand = self._strands[conn.peer.name] = _Strand()
             handler = self._handler
-            if strand.running or strand.queue or handler is None or not inline:
+            if strand.running or strand.queue or handler is None:
                 strand.queue.append((conn, msg_id, message))
                 if strand.running or handler is None:
                     return
@@ -1494,3 +1539,6 @@ class TensorPipeAgent:
                         "or timeout=0 to wait without limit"
                     ),
                 )
+
+
+_READ_FOR_CODE: Final = TensorPipeAgent._read_for.__code__

@@ -74,6 +74,8 @@ MAX_MESSAGE_TENSOR_BYTES: Final = 1 << 40
 """Largest total of tensor bytes in one frame (1 TiB)."""
 
 _SEND_CHUNK: Final = 1 << 23
+_PEEK_PAYLOAD: Final = 1 << 16
+_PEEK_FLAGS: Final = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
 _READ_BUFFER: Final = 1 << 18
 
 
@@ -338,6 +340,7 @@ class FrameReader:
         self._view = memoryview(self._buffer)
         self._start = 0
         self._end = 0
+        self._peek = memoryview(bytearray(HEADER.size + _PEEK_PAYLOAD))
 
     def has_frame(self) -> bool:
         """Whether a whole header, descriptor block and payload are buffered (no ``recv`` needed)."""
@@ -352,35 +355,45 @@ class FrameReader:
         """How many received bytes wait in the buffer."""
         return self._end - self._start
 
-    def peek(self) -> tuple[int, int] | None:
-        """The next frame's length without its tensor data, and its tensor count; ``None`` until its
-        header is buffered."""
-        if self._end - self._start < HEADER.size:
-            return None
-        _, _, _, payload_len, tensor_count, descriptors_len = HEADER.unpack_from(self._view, self._start)
-        return HEADER.size + descriptors_len + payload_len, tensor_count
+    def take_reply(self, msg_id: int) -> tuple[Kind, bytes] | bool:
+        """Consume the next frame if it is the REPLY or ERROR frame ``msg_id`` without tensors, and
+        return its kind and payload; ``True`` while it has not wholly arrived, ``False`` when
+        another frame (or a longer one) comes first. Never waits.
 
-    @property
-    def capacity(self) -> int:
-        """The buffer's size: the longest frame (without tensor data) that :meth:`recv_some` can gather."""
-        return len(self._buffer)
-
-    def recv_some(self) -> None:
-        """Wait for the socket and buffer what it has; ``EOFError`` when the peer closed it.
-
-        Nothing buffered is consumed, so an exception raised while waiting (a
-        ``KeyboardInterrupt``) leaves the stream intact.
+        Unlike :meth:`read_frame`, nothing is consumed before the whole frame
+        is at hand, and it is consumed in one step (one store, or one
+        ``recv``): an exception raised in between by a signal handler loses
+        at most that frame, and the stream stays whole.
         """
-        if self._end == len(self._buffer):
-            kept = self._end - self._start
-            self._view[:kept] = self._view[self._start : self._end]
-            self._start, self._end = 0, kept
-            if kept == len(self._buffer):
-                raise ValueError("the buffer is full: read the buffered frame first")
-        count = self._sock.recv_into(self._view[self._end :])
-        if count == 0:
-            raise EOFError(f"connection closed with {self._end - self._start} bytes of a frame buffered")
-        self._end += count
+        if self._end > self._start:  # buffered bytes come first: only a whole frame here
+            view, offset, available = self._view, self._start, self._end - self._start
+        else:
+            try:
+                available = self._sock.recv_into(self._peek, len(self._peek), _PEEK_FLAGS)
+            except BlockingIOError:
+                return True
+            if available == 0:
+                raise EOFError("connection closed")
+            view, offset = self._peek, 0
+        if available < HEADER.size:
+            return view is self._peek
+        header = _checked_header(*HEADER.unpack_from(view, offset))
+        length = HEADER.size + header.payload_len
+        if (
+            header.msg_id != msg_id
+            or (header.kind is not Kind.REPLY and header.kind is not Kind.ERROR)
+            or header.tensor_count
+            or length > len(self._peek)
+        ):
+            return False
+        if available < length:
+            return view is self._peek
+        payload = bytes(view[offset + HEADER.size : offset + length])
+        if view is self._view:
+            self._start = offset + length
+        elif self._sock.recv_into(self._peek, length, socket.MSG_WAITALL) != length:
+            raise EOFError("connection closed within a frame")
+        return header.kind, payload
 
     def read_frame(self) -> tuple[FrameHeader, list[TensorDescriptor], bytes]:
         """The next frame's header, descriptors and payload; its tensor data follows (see ``read_into``)."""
