@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from tpb_workers import (
     CONTEXT,
+    call_at_once,
     dynamic_leader,
     dynamic_member,
     free_port,
@@ -82,4 +83,15 @@ def test_shutdown_right_after_init_does_not_time_out() -> None:
     assert sorted(reports) == ["s0", "s1", "s2"]
     # Well within the 20 s rpc_timeout and the 10 s shutdown timeout the workers use.
     assert max(reports.values()) < 5.0, reports
+    assert [w.exitcode for w in workers] == [0, 0, 0]
+
+
+def test_called_functions_can_use_rpc_right_after_init() -> None:
+    # Requests may reach a worker before its init_rpc has returned; they must find RPC ready.
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results = CONTEXT.Queue()
+    targets = [(call_at_once, (f"a{r}", r, 3, init_method, results)) for r in range(3)]
+    with spawned(targets) as workers:
+        reports = dict(results.get(timeout=40) for _ in range(3))
+    assert reports == {"a0": "a2", "a1": "a0", "a2": "a1"}
     assert [w.exitcode for w in workers] == [0, 0, 0]

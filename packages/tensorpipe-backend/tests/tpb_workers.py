@@ -95,6 +95,21 @@ def init_then_shut_down(name: str, rank: int, world_size: int, init_method: str,
     results.put((name, time.monotonic() - start))
 
 
+def ask_whoami(via: str) -> str:
+    """Ask ``via`` for its name: a called function that uses RPC itself."""
+    return str(rpc_sync(via, whoami))
+
+
+def call_at_once(name: str, rank: int, world_size: int, init_method: str, results: Any) -> None:
+    """Right after init_rpc, have the next worker ask the one after it for its name."""
+    init_rpc(name, backend(), rank, world_size, options(init_method))
+    following, after = f"a{(rank + 1) % world_size}", f"a{(rank + 2) % world_size}"
+    answer = _error_text(lambda: results.put((name, rpc_sync(following, ask_whoami, args=(after,)))))
+    if answer != "no error":
+        results.put((name, answer))
+    shutdown(graceful=True, timeout=30.0)
+
+
 def call_then_shut_down(name: str, rank: int, world_size: int, init_method: str, results: Any) -> None:
     """Send calls and shut down at once; report what the calls returned after the shutdown."""
     init_rpc(name, backend(), rank, world_size, options(init_method))

@@ -715,8 +715,15 @@ def init_rpc(
         )
         state = _RpcState(agent)
         _rref.set_context(state.rrefs)
-        agent.start(state.handle)
+        # Set before the first request runs: a called function may use RPC itself, and peers
+        # that finished init_rpc first may have sent requests already.
         _state = state
+        try:
+            agent.start(state.handle)
+        except BaseException:
+            _state = None
+            state.close()
+            raise
     logger.info("RPC initialized: %s (rank %d) on backend %r", name, rank, chosen)
 
 

@@ -709,33 +709,37 @@ class TensorPipeAgent:
         if conn is None or conn.closed:
             conn = self._connection(to.name, deadline)
         msg_id = pending.msg_id
-        with self._lock:
-            if conn.closed:
-                closed = True
-            else:
-                closed = False
-                conn.pending[msg_id] = pending
-                self._in_flight += 1
-                if deadline is not None:
-                    # Wake the deadline thread only when this deadline comes before all the others.
-                    earliest = not self._deadlines or deadline < self._deadlines[0][0]
-                    heapq.heappush(
-                        self._deadlines, (deadline, next(self._deadline_seq), conn, msg_id, timeout)
-                    )
-                    if earliest:
-                        self._timer.notify()
-                    if len(self._deadlines) > 1024 and len(self._deadlines) > 4 * self._in_flight:
-                        # Answered calls leave their deadline behind: drop those, keep the heap small.
-                        self._deadlines = [d for d in self._deadlines if d[3] in d[2].pending]
-                        heapq.heapify(self._deadlines)
-        if closed:
-            pending.deliver(ConnectionError(f"worker {to.name}: the connection closed before sending"))
-            return None
-        try:
-            self._write(conn, Kind.REQUEST, msg_id, message.payload, prepared, pending.shm_tokens)
-        except (OSError, FrameError) as exc:
-            self._drop(conn, f"sending to it failed ({exc})")
-            return None
+        try:  # a signal handler raising in here (main thread) must not leave the call registered
+            with self._lock:
+                if conn.closed:
+                    closed = True
+                else:
+                    closed = False
+                    conn.pending[msg_id] = pending
+                    self._in_flight += 1
+                    if deadline is not None:
+                        # Wake the deadline thread only when this deadline comes before all the others.
+                        earliest = not self._deadlines or deadline < self._deadlines[0][0]
+                        heapq.heappush(
+                            self._deadlines, (deadline, next(self._deadline_seq), conn, msg_id, timeout)
+                        )
+                        if earliest:
+                            self._timer.notify()
+                        if len(self._deadlines) > 1024 and len(self._deadlines) > 4 * self._in_flight:
+                            # Answered calls leave their deadline behind: drop those, keep the heap small.
+                            self._deadlines = [d for d in self._deadlines if d[3] in d[2].pending]
+                            heapq.heapify(self._deadlines)
+            if closed:
+                pending.deliver(ConnectionError(f"worker {to.name}: the connection closed before sending"))
+                return None
+            try:
+                self._write(conn, Kind.REQUEST, msg_id, message.payload, prepared, pending.shm_tokens)
+            except (OSError, FrameError) as exc:
+                self._drop(conn, f"sending to it failed ({exc})")
+                return None
+        except BaseException:
+            self._forget(conn, msg_id)
+            raise
         return conn, msg_id
 
     def sync(self) -> None:
@@ -1197,7 +1201,15 @@ class TensorPipeAgent:
                         return
                     conn.poller.poll(None if remaining is None else remaining * 1000)
                     continue
-                self._take_reply(conn, taken[0], msg_id, taken[1], (), None)
+                kind, payload = taken
+                entry = self._claim(conn, msg_id)
+                if entry is not None:  # else: timed out or failed meanwhile
+                    text = payload.decode(errors="replace")
+                    reply.set(
+                        Message(payload)
+                        if kind is Kind.REPLY
+                        else RuntimeError(f"worker {conn.peer.name} could not handle {entry.what}: {text}")
+                    )
         except FrameError as exc:
             reason = f"it sent a malformed frame ({exc})"
             logger.warning("%s: closing the connection to %s: %s", self._me.name, conn.peer.name, reason)
@@ -1210,14 +1222,26 @@ class TensorPipeAgent:
                 self._drop(conn, reason)
             self._end_session(conn, session)
 
-    def _forget(self, conn: _Connection, msg_id: int) -> None:
-        """Stop waiting for the reply to ``msg_id`` (its caller was interrupted)."""
+    def _claim(self, conn: _Connection, msg_id: int) -> _Pending | None:
+        """Take the call ``msg_id`` out of ``conn``'s pending calls and of the count in flight.
+
+        No call sits between the removal and the count, so a signal handler
+        that raises (main thread) cannot split them."""
         with self._lock:
-            entry = conn.pending.pop(msg_id, None)
-        if entry is not None:
-            if conn.shm is not None:
-                conn.shm.release(entry.shm_tokens)
-            self._reply_sent()
+            entry = conn.pending.get(msg_id)
+            if entry is not None:
+                del conn.pending[msg_id]
+                self._in_flight -= 1
+                if self._in_flight == 0 and self._idle_waits:
+                    self._cond.notify_all()
+        if entry is not None and conn.shm is not None:
+            conn.shm.release(entry.shm_tokens)
+        return entry
+
+    def _forget(self, conn: _Connection, msg_id: int) -> None:
+        """Stop waiting for the reply to ``msg_id`` (its caller was interrupted); no-op for a call
+        already answered or never registered."""
+        self._claim(conn, msg_id)
 
     @staticmethod
     def _end_session(conn: _Connection, session: _Session) -> None:
@@ -1235,8 +1259,8 @@ class TensorPipeAgent:
             return
         frame = sys._current_frames().get(session.thread)  # the documented way to see another thread
         while frame is not None:
-            if frame.f_code is _READ_FOR_CODE:
-                return  # still reading
+            if frame.f_code is _READ_FOR_CODE and frame.f_locals.get("session") is session:
+                return  # still reading (this session, not one of the thread's on another connection)
             frame = frame.f_back
         logger.debug(
             "%s: taking back the stream of %s from an interrupted call", self._me.name, conn.peer.name
