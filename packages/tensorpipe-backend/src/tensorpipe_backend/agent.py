@@ -1191,25 +1191,27 @@ class TensorPipeAgent:
         reason = None
         try:
             data_wait.pause()  # the reader thread sleeps through this reply
+            taken: tuple[Kind, bytes] | bool = not stream.buffered  # just sent: wait before looking
             while reply.outcome is None and not conn.closed:
-                taken = stream.take_reply(msg_id)
-                if taken is False:
-                    return
                 if taken is True:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return
                     conn.poller.poll(None if remaining is None else remaining * 1000)
+                taken = stream.take_reply(msg_id)
+                if taken is True:
                     continue
+                if taken is False:
+                    return
                 kind, payload = taken
                 entry = self._claim(conn, msg_id)
-                if entry is not None:  # else: timed out or failed meanwhile
+                if entry is None:
+                    continue  # timed out or failed meanwhile: reply is set
+                if kind is Kind.REPLY:
+                    reply.set(Message(payload))
+                else:
                     text = payload.decode(errors="replace")
-                    reply.set(
-                        Message(payload)
-                        if kind is Kind.REPLY
-                        else RuntimeError(f"worker {conn.peer.name} could not handle {entry.what}: {text}")
-                    )
+                    reply.set(RuntimeError(f"worker {conn.peer.name} could not handle {entry.what}: {text}"))
         except FrameError as exc:
             reason = f"it sent a malformed frame ({exc})"
             logger.warning("%s: closing the connection to %s: %s", self._me.name, conn.peer.name, reason)
