@@ -310,6 +310,12 @@ class _DataWait:
                 os.eventfd_write(self._nudge, 1)
 
 
+def _remote_failure(conn: _Connection, entry: _Pending, payload: bytes) -> RuntimeError:
+    """The error an ERROR frame answering ``entry`` stands for."""
+    text = payload.decode(errors="replace")
+    return RuntimeError(f"worker {conn.peer.name} could not handle {entry.what}: {text}")
+
+
 class _Connection:
     """One authenticated socket to a peer; ``send_lock`` keeps frames whole.
 
@@ -1158,18 +1164,21 @@ class TensorPipeAgent:
                     owner.pop(_OWNER, None)
                     holding = False
                     wait = not stream.buffered
-        except FrameError as exc:
-            reason = f"it sent a malformed frame ({exc})"
-            logger.warning("%s: closing the connection to %s: %s", self._me.name, conn.peer.name, reason)
-        except (OSError, EOFError) as exc:
-            reason = (
-                "the connection closed" if isinstance(exc, EOFError) else f"the connection failed ({exc})"
-            )
+        except (FrameError, OSError, EOFError) as exc:
+            reason = self._read_failure(conn, exc)
         finally:
             if conn.reader is token:
                 self._drop(conn, reason)
             if holding and owner.get(_OWNER) is token:
                 owner.pop(_OWNER, None)
+
+    def _read_failure(self, conn: _Connection, exc: Exception) -> str:
+        """Why reading ``conn`` failed with ``exc``, for its pending calls (a malformed frame is logged)."""
+        if isinstance(exc, FrameError):
+            reason = f"it sent a malformed frame ({exc})"
+            logger.warning("%s: closing the connection to %s: %s", self._me.name, conn.peer.name, reason)
+            return reason
+        return "the connection closed" if isinstance(exc, EOFError) else f"the connection failed ({exc})"
 
     def _read_for(self, conn: _Connection, msg_id: int, reply: _Reply, deadline: float | None) -> None:
         """Read the reply to ``msg_id`` in this thread if ``conn``'s stream is free and that reply
@@ -1210,15 +1219,9 @@ class TensorPipeAgent:
                 if kind is Kind.REPLY:
                     reply.set(Message(payload))
                 else:
-                    text = payload.decode(errors="replace")
-                    reply.set(RuntimeError(f"worker {conn.peer.name} could not handle {entry.what}: {text}"))
-        except FrameError as exc:
-            reason = f"it sent a malformed frame ({exc})"
-            logger.warning("%s: closing the connection to %s: %s", self._me.name, conn.peer.name, reason)
-        except (OSError, EOFError) as exc:
-            reason = (
-                "the connection closed" if isinstance(exc, EOFError) else f"the connection failed ({exc})"
-            )
+                    reply.set(_remote_failure(conn, entry, payload))
+        except (FrameError, OSError, EOFError) as exc:
+            reason = self._read_failure(conn, exc)
         finally:
             if reason is not None:
                 self._drop(conn, reason)
@@ -1398,8 +1401,7 @@ class TensorPipeAgent:
             conn.shm.release(entry.shm_tokens)
         outcome: Message | BaseException
         if kind is Kind.ERROR:
-            text = payload.decode(errors="replace")
-            outcome = RuntimeError(f"worker {conn.peer.name} could not handle {entry.what}: {text}")
+            outcome = _remote_failure(conn, entry, payload)
         elif error is not None:
             outcome = RuntimeError(f"the reply to {entry.what} cannot be placed here: {error}")
         else:
