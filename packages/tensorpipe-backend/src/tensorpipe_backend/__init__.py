@@ -11,7 +11,7 @@ Installed, it is ``rpc_registry``'s default backend.
 from __future__ import annotations
 
 from .agent import ADDR_ENV, TensorPipeAgent, get_current_agent
-from .auth import AUTH_TOKEN_ENV, AuthenticationError
+from .auth import AuthenticationError
 from .device_maps import create_device_list, create_reverse_mapping, validate_device_maps
 from .options import (
     DEFAULT_NUM_WORKER_THREADS,
@@ -20,6 +20,7 @@ from .options import (
     construct_rpc_backend_options_handler,
 )
 from .plugin import BACKEND_NAME, PLUGIN, ensure_registered, init_backend_handler
+from .secret import AUTH_TOKEN_ENV
 from .wire import FrameError
 
 __all__ = [

@@ -50,12 +50,12 @@ from .auth import (
     HandshakeStatus,
     PeerIdentity,
     client_handshake,
-    resolve_secret,
     server_handshake,
 )
 from .device_maps import create_device_list, create_reverse_mapping, validate_device_maps
 from .group import GlooGroup, WorkerRecord, members, membership_token, record_key, set_members
 from .options import DeviceMap, TensorPipeRpcBackendOptions
+from .secret import resolve_secret
 from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles, host_identity
 from .wire import (
     FrameError,
@@ -424,7 +424,7 @@ class TensorPipeAgent:
         self._watch_wake = threading.Event()
         try:
             self._secret = resolve_secret(
-                options.auth_token, store, rank, world_size is not None, self._init_timeout
+                options.auth_token, store, rank, world_size is not None, self._init_timeout, options.insecure
             )
             host = _listen_host(options.init_method)
             self._listener = socket.create_server((host, 0))
