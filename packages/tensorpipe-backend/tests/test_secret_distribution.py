@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore, TCPStore
 from tpb_workers import CONTEXT, backend, free_port, options, spawned
 
 from rpc_registry import init_rpc, shutdown
@@ -71,7 +71,7 @@ def _read_as_nobody(path: str) -> str:
 
 def _stolen_secrets(port: int) -> list[bytes]:
     """Everything an outsider who reaches the store can turn into a candidate secret."""
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     candidates: list[bytes] = []
     if store.check([SESSION + INSECURE_SECRET_KEY]):
         candidates.append(bytes.fromhex(store.get(SESSION + INSECURE_SECRET_KEY).decode()))
@@ -114,7 +114,7 @@ def test_another_local_user_who_reads_the_store_cannot_authenticate() -> None:
 
 
 def test_insecure_true_publishes_the_secret_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
-    store = dist.HashStore()
+    store = HashStore()
     with caplog.at_level("WARNING", logger="tensorpipe_backend.secret"):
         secret = resolve_secret(None, store, 0, True, 5.0, insecure=True)
     assert bytes.fromhex(store.get(INSECURE_SECRET_KEY).decode()) == secret
@@ -125,7 +125,7 @@ def test_workers_of_one_user_and_host_find_the_same_secret_in_a_private_file(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
-    store = dist.HashStore()
+    store = HashStore()
     made = resolve_secret(None, store, 0, True, 5.0)
     assert resolve_secret(None, store, 1, True, 5.0) == made
     assert not store.check([INSECURE_SECRET_KEY])
@@ -137,7 +137,7 @@ def test_workers_of_one_user_and_host_find_the_same_secret_in_a_private_file(
 
 def test_a_worker_on_another_host_is_told_how_to_pass_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
-    store = dist.HashStore()
+    store = HashStore()
     store.set(SECRET_FILE_KEY, json.dumps({"path": str(secret_dir() / f"secret-1-{'0' * 32}"), "host": "h0"}))
     with pytest.raises(RuntimeError, match=f"does not exist on this host.*{AUTH_TOKEN_ENV}.*insecure=True"):
         resolve_secret(None, store, 1, True, 5.0)
@@ -153,7 +153,7 @@ def test_a_worker_on_another_host_is_told_how_to_pass_a_token(monkeypatch: pytes
 )
 def test_a_forged_store_entry_is_refused(monkeypatch: pytest.MonkeyPatch, published: str) -> None:
     monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
-    store = dist.HashStore()
+    store = HashStore()
     store.set(SECRET_FILE_KEY, published)
     with pytest.raises(RuntimeError, match=AUTH_TOKEN_ENV):
         resolve_secret(None, store, 1, True, 5.0)
@@ -161,7 +161,7 @@ def test_a_forged_store_entry_is_refused(monkeypatch: pytest.MonkeyPatch, publis
 
 def test_a_secret_file_readable_by_others_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
-    store = dist.HashStore()
+    store = HashStore()
     resolve_secret(None, store, 0, True, 5.0)
     path = Path(json.loads(store.get(SECRET_FILE_KEY))["path"])
     path.chmod(0o644)
@@ -177,5 +177,5 @@ def test_files_of_dead_processes_are_swept(monkeypatch: pytest.MonkeyPatch) -> N
     assert child.pid is not None
     stale = secret_dir() / f"secret-{child.pid}-{'a' * 32}"
     stale.write_text("0" * 64)
-    resolve_secret(None, dist.HashStore(), 0, True, 5.0)
+    resolve_secret(None, HashStore(), 0, True, 5.0)
     assert not stale.exists()
