@@ -334,3 +334,17 @@ def send_cuda_tensor_to(to: str) -> object:
 def describe_device(x: torch.Tensor) -> str:
     """The device a tensor arrived on."""
     return str(x.device)
+
+
+def share_then_die(sent: Any) -> None:
+    """Put two tensors in shared memory (one pooled, one in a file of its own), report, be killed."""
+    from tensorpipe_backend.shm import SharedFiles
+    from tensorpipe_backend.wire import tensor_bytes
+
+    files = SharedFiles()
+    pooled = files.write(tensor_bytes(torch.ones(1 << 18)))
+    while files.write(tensor_bytes(torch.ones(1 << 18)))[1]:
+        pass  # fill the pool until a tensor gets a file of its own
+    sent.put(os.getpid())
+    del pooled
+    time.sleep(60)
