@@ -37,7 +37,6 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
-from urllib.parse import urlparse
 
 import torch
 from torch.distributed.distributed_c10d import Store
@@ -45,6 +44,7 @@ from torch.futures import Future
 
 from rpc_registry import Message, RequestHandler, WorkerInfo
 
+from .address import ADDR_ENV, check_reachable, listen_host
 from .auth import (
     AuthenticationError,
     HandshakeStatus,
@@ -73,9 +73,6 @@ from .wire import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["ADDR_ENV", "TensorPipeAgent", "get_current_agent", "prepare_tensor"]
-
-ADDR_ENV: Final = "TENSORPIPE_BACKEND_ADDR"
-"""Environment variable: the address this worker listens on and publishes to its peers."""
 
 _HANDSHAKE_TIMEOUT: Final = 30.0
 _MAX_HANDSHAKES: Final = 64
@@ -173,33 +170,6 @@ def _close(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
-
-
-def _listen_host(init_method: str) -> str:
-    explicit = os.environ.get(ADDR_ENV)
-    if explicit:
-        return explicit
-    parsed = urlparse(init_method)
-    host = parsed.hostname if parsed.scheme == "tcp" else None
-    if parsed.scheme == "env":
-        host = os.environ.get("MASTER_ADDR")
-    if not host:
-        return "127.0.0.1"
-    with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    try:
-        address = socket.getaddrinfo(host, None, family=socket.AF_INET)[0][4][0]
-        if ipaddress.ip_address(address).is_loopback:
-            return "127.0.0.1"
-        # The local address on the route to the rendezvous host; a UDP connect sends nothing.
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((address, 9))
-            local: str = probe.getsockname()[0]
-            return local
-    except OSError as exc:
-        logger.warning("cannot route to %s (%s); listening on 127.0.0.1, set %s", host, exc, ADDR_ENV)
-        return "127.0.0.1"
 
 
 ReplySink = Future[Message] | Callable[[Message | BaseException], None]
@@ -426,7 +396,7 @@ class TensorPipeAgent:
             self._secret = resolve_secret(
                 options.auth_token, store, rank, world_size is not None, self._init_timeout, options.insecure
             )
-            host = _listen_host(options.init_method)
+            host = listen_host(options.init_method)
             self._listener = socket.create_server((host, 0))
             self._listener.settimeout(0.2)
             shm_host = host_identity()
@@ -487,6 +457,7 @@ class TensorPipeAgent:
             raise ValueError(
                 f"name={duplicate!r}: used by the workers of ranks {ranks}; give every worker a unique name"
             )
+        check_reachable(parsed)
         validate_device_maps(
             names,
             {n: r.device_count for n, r in records.items()},
@@ -518,6 +489,7 @@ class TensorPipeAgent:
             records = {n: WorkerRecord.from_json(store.get(record_key(n))) for n in current}
             records[record.name] = record
             names = [*current, record.name]
+            check_reachable(records.values())
             validate_device_maps(
                 names,
                 {n: r.device_count for n, r in records.items()},
