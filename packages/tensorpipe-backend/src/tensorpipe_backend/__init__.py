@@ -2,9 +2,10 @@
 
 Python calls and tensors move between workers over authenticated TCP
 connections (tensors beside the pickle, straight into preallocated tensors).
-A static group exchanges names, addresses and device maps and runs its
-barriers over its own gloo group made from the rendezvous store of
-``rpc_registry.init_rpc``; a dynamic group keeps them in the store.
+A static group publishes its members' records (names, addresses, device
+maps) in the rendezvous store of ``rpc_registry.init_rpc``, signed with the
+job's secret, and runs its barriers through rank 0 over the agent's own
+authenticated connections; a dynamic group keeps its records in the store.
 Installed, it is ``rpc_registry``'s default backend.
 """
 

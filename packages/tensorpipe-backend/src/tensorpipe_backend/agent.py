@@ -53,8 +53,17 @@ from .auth import (
     server_handshake,
 )
 from .device_maps import create_device_list, create_reverse_mapping, validate_device_maps
-from .group import GlooGroup, WorkerRecord, members, membership_token, record_key, set_members
+from .group import (
+    WorkerRecord,
+    gather_signed_records,
+    members,
+    membership_token,
+    publish_signed_record,
+    record_key,
+    set_members,
+)
 from .options import DeviceMap, TensorPipeRpcBackendOptions
+from .rounds import GroupRounds
 from .secret import resolve_secret
 from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles, host_identity
 from .wire import (
@@ -388,7 +397,7 @@ class TensorPipeAgent:
         self._deadline_seq = itertools.count()
         self._listener: socket.socket | None = None
         self._local_listener: socket.socket | None = None
-        self._gloo: GlooGroup | None = None
+        self._rounds: GroupRounds | None = None
         self._busy_seq = itertools.count(1)
         self._watch_idle = False
         self._watch_wake = threading.Event()
@@ -446,9 +455,8 @@ class TensorPipeAgent:
     def _join_static(self, record: WorkerRecord, world_size: int) -> None:
         timeout = self._init_timeout
         self._records[record.name] = record
-        self._gloo = group = GlooGroup(self._store, record.rank, world_size, timeout)
-        texts = group.all_gather_bytes(record.to_json().encode(), timeout, "the exchange of worker records")
-        parsed = [WorkerRecord.from_json(text) for text in texts]
+        publish_signed_record(self._store, record, self._secret)
+        parsed = gather_signed_records(self._store, self._secret, world_size, record.rank, timeout)
         names = [r.name for r in parsed]
         records = {r.name: r for r in parsed}
         if len(records) < world_size:
@@ -466,18 +474,15 @@ class TensorPipeAgent:
         )
         reverse = create_reverse_mapping(record.name, names, {n: r.device_maps for n, r in records.items()})
         with self._lock:
+            self._rounds = rounds = GroupRounds(record.rank, names, self._send_round)
             self._records = records
             self._reverse_maps = reverse
             self._devices = create_device_list(record.devices, self._device_maps, reverse)
             self._cond.notify_all()
         if self._devices and torch.cuda.is_available():
             torch.cuda.init()
-        # Warm-up: every worker reaches rank 0 once, so connections exist before the first shutdown,
-        # and every worker runs the group's collectives once before leaving init_rpc.
-        if record.rank != 0:
-            self._ping(names[0], timeout)
-        group.all_gather(torch.tensor([record.rank]), timeout, "the warm-up all-gather of init_rpc")
-        group.barrier(timeout, "the end of init_rpc")
+        # Every worker connects to rank 0 in this barrier, so connections exist before the first shutdown.
+        rounds.barrier(timeout, "the end of init_rpc")
 
     def _join_dynamic(self, record: WorkerRecord) -> None:
         store, timeout = self._store, self._init_timeout
@@ -728,8 +733,8 @@ class TensorPipeAgent:
     def join(self, shutdown: bool = False, timeout: float = 0) -> None:
         """Wait until no worker has a call in flight (``timeout`` s, ``0``: no limit).
 
-        A static group repeats an all-reduce over its gloo group that sums
-        every worker's calls in flight until a round sums to zero. A worker
+        A static group repeats a round (see :mod:`tensorpipe_backend.rounds`)
+        that sums every worker's calls in flight until one sums to zero. A worker
         of a dynamic group waits for its own calls, then (with
         ``shutdown=True``) leaves the group, telling its peers.
         """
@@ -742,7 +747,7 @@ class TensorPipeAgent:
         group, what = self._static_group(), "a shutdown barrier with no call in flight"
         while True:
             remaining = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
-            if group.all_reduce_sum(self._active(), remaining, what) == 0:
+            if group.sum(self._active(), remaining, what) == 0:
                 break
             with self._lock:
                 self._idle_waits += 1
@@ -759,8 +764,8 @@ class TensorPipeAgent:
         self._close_now()
 
     # Shutdown helpers.
-    def _static_group(self) -> GlooGroup:
-        group = self._gloo
+    def _static_group(self) -> GroupRounds:
+        group = self._rounds
         if group is None:
             raise RuntimeError(f"{self._me.name}: the agent is shut down")
         return group
@@ -816,9 +821,8 @@ class TensorPipeAgent:
                 listener.close()
         for conn in conns:
             self._drop(conn, f"this worker ({self._me.name}) shut down")
-        if self._gloo is not None:
-            self._gloo.close()
-            self._gloo = None
+        if self._rounds is not None:
+            self._rounds.close(f"this worker ({self._me.name}) shut down")
         self._pool.shutdown(wait=False, cancel_futures=True)
         current = threading.current_thread()
         for thread in list(self._threads):
@@ -1000,10 +1004,12 @@ class TensorPipeAgent:
         return SharedFiles()
 
     def _drop(self, conn: _Connection, reason: str) -> None:
+        current = False
         with self._lock:
             conn.closed = True
             if self._conns.get(conn.peer.name) is conn:
                 del self._conns[conn.peer.name]
+                current = True
             pending, conn.pending = conn.pending, {}
             self._in_flight -= len(pending)
             left = self._left.get(conn.peer.name)
@@ -1012,6 +1018,9 @@ class TensorPipeAgent:
         if conn.shm is not None:
             conn.shm.close()
         name = conn.peer.name
+        rounds = self._rounds
+        if current and rounds is not None:
+            rounds.lost(conn.peer.id, f"it {left}" if left else reason)
         for entry in pending.values():
             text = f"worker {name} {left}" if left else f"worker {name} (rank {conn.peer.id}): {reason}"
             entry.deliver(ConnectionError(f"{text}; {entry.what} did not complete"))
@@ -1347,6 +1356,14 @@ class TensorPipeAgent:
                 event = self._pings.pop(msg_id, None)
             if event is not None:
                 event.set()
+        elif kind is Kind.GROUP:
+            rounds = self._rounds
+            if rounds is None:
+                raise FrameError(f"a group round from {conn.peer.name} outside a static group")
+            try:
+                rounds.deliver(conn.peer.id, msg_id, payload)
+            except ValueError as exc:
+                raise FrameError(f"{conn.peer.name}: {exc}") from None
         elif kind is Kind.GOODBYE:
             with self._lock:
                 self._left[conn.peer.name] = payload.decode(errors="replace")[:200]
@@ -1391,6 +1408,10 @@ class TensorPipeAgent:
             entry.deliver(outcome)
         finally:
             self._reply_sent()
+
+    def _send_round(self, name: str, number: int, payload: bytes) -> None:
+        conn = self._connection(name, time.monotonic() + self._init_timeout)
+        self._write(conn, Kind.GROUP, number, payload, [])
 
     def _ping(self, name: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
