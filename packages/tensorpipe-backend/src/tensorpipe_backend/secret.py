@@ -36,6 +36,7 @@ import socket
 import stat
 import tempfile
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Final
@@ -191,11 +192,13 @@ def _read_secret_file(published: bytes, rank: int) -> bytes:
 
 def _wait_for(store: Store, key: str, rank: int, timeout: float, what: str) -> bytes:
     seconds = timeout if timeout > 0 else _UNLIMITED
+    started = time.monotonic()
     try:
         store.wait([key], timedelta(seconds=seconds))
     except RuntimeError as exc:
         raise TimeoutError(
-            f"rank {rank}: waited {seconds:g} s for {what} in the rendezvous store and it did not come; "
+            f"rank {rank}: waited {time.monotonic() - started:.1f} s for {what} in the rendezvous store "
+            "and it did not come; "
             f"check that rank 0 runs, or {_how_to_fix()}"
         ) from exc
     value: bytes = store.get(key)
