@@ -8,11 +8,13 @@ batches.
 
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook, fp16_compress_hook
 from ddp_join.distributed import DistributedDataParallel
+from ddp_join.fsdp import FSDPJoinable
 from ddp_join.zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "CommHook",
     "DistributedDataParallel",
+    "FSDPJoinable",
     "GradBucket",
     "ZeroRedundancyOptimizer",
     "allreduce_hook",
