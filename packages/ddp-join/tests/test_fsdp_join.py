@@ -162,22 +162,26 @@ def test_healthy_iterations_add_one_heartbeat_and_disabled_join_adds_none() -> N
     torch.testing.assert_close(enabled[0][0], expected, rtol=1e-5, atol=1e-6)
 
 
-def _train_no_batch(rank: int, world_size: int) -> str:
-    model = _sharded_model(torch.device("cpu"), nested=False)
+def _train_counts(rank: int, world_size: int, rank_counts: list[int]) -> dict[str, torch.Tensor]:
+    model = _sharded_model(torch.device("cpu"), nested=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    try:
-        with Join([FSDPJoinable(model, optimizer)]):
-            for step in range(2 * rank):  # rank 0 has no batch at all
-                optimizer.zero_grad()
-                loss_fn(model, *batch(rank, step)).backward()
-                optimizer.step()
-    except JoinAbortedError as error:
-        return type(error).__name__
-    return "finished"
+    with Join([FSDPJoinable(model, optimizer)]):
+        for step in range(rank_counts[rank]):
+            optimizer.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            optimizer.step()
+    return _full_state(model)
 
 
-def test_rank_without_any_batch_aborts_every_rank_instead_of_hanging() -> None:
-    assert run_ranks(_train_no_batch, 2, timeout=120) == ["JoinAbortedError", "JoinAbortedError"]
+def test_rank_without_any_batch_replays_a_peers_input() -> None:
+    rank_counts = [0, 2]
+    states = run_ranks(_train_counts, 2, rank_counts, timeout=120)
+    plain = make_model()
+    plain.load_state_dict(states[1])
+    expected = reference(rank_counts, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    torch.testing.assert_close(flat_params(plain), expected, rtol=1e-5, atol=1e-6)
+    for key in states[0]:
+        assert torch.equal(states[0][key], states[1][key]), key
 
 
 def test_rejects_a_module_not_sharded() -> None:

@@ -9,7 +9,6 @@ with that gradient, so every shard stays current.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
@@ -18,17 +17,19 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from ddp_join._groups import all_gather_objects
 from join_core import Join, JoinHook
 
 __all__ = ["FSDPJoinable"]
 
-logger = logging.getLogger(__name__)
+# Empty slices of the last forward's positional and keyword arguments, and
+# whether it ran with grad enabled (a training iteration) or not (evaluation).
+_Input: TypeAlias = tuple[tuple[Any, ...], dict[str, Any], bool]
 
-_Input: TypeAlias = tuple[tuple[Any, ...], dict[str, Any]]
-
-#: The heartbeat value of a rank that cannot shadow (it never ran a forward):
-#: it outweighs every training rank's 1, so every rank aborts together.
-_CANNOT_SHADOW: Final = -1.0
+#: The heartbeat's slots: Join's signal, and the number of joined ranks
+#: that never ran a forward in this Join and need a peer's input to replay.
+_SIGNAL: Final = 0
+_NEEDS_INPUT: Final = 1
 
 
 class FSDPJoinable:
@@ -52,7 +53,9 @@ class FSDPJoinable:
     Requirements: one forward of ``module`` per iteration, ``zero_grad()``
     before every backward (no gradient accumulation across iterations), a
     model that accepts a batch of size 0 along dimension 0 of every input
-    tensor, and at least one batch on every rank.
+    tensor. A rank with no batch at all in a Join replays the empty slice of
+    a peer's input, exchanged once (a second slot of the heartbeat says when
+    one is needed).
 
     Args:
         module: a model already passed through ``fully_shard`` (its
@@ -104,7 +107,6 @@ class FSDPJoinable:
         self._divide_by_initial_world_size = True
         self._divisor = float(self._world_size)
         self._last_input: _Input | None = None
-        self._last_with_grad = True  # the last forward built a graph: a training iteration
         self._pending: float | None = None  # a heartbeat total not yet handed to Join
         self._replaying = False
         self._handles = [
@@ -121,6 +123,10 @@ class FSDPJoinable:
             divide_by_initial_world_size: see the class docstring (default True).
         """
         self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        # An input of an earlier Join (say, training before evaluation) must
+        # not be replayed in this one.
+        self._last_input = None
+        self._pending = None
         return _FSDPJoinHook(self)
 
     @property
@@ -145,11 +151,12 @@ class FSDPJoinable:
         if self._replaying or not Join.is_active(self):
             return
         self._hand_over()
-        self._last_input = (_empty_slice(args), _empty_slice(kwargs))
-        self._last_with_grad = torch.is_grad_enabled()
-        total = self._beat(Join.heartbeat_signal(self))
+        self._last_input = (_empty_slice(args), _empty_slice(kwargs), torch.is_grad_enabled())
+        total, needs_input = self._beat(Join.heartbeat_signal(self), needs_input=False)
         if total < 0:
             Join.heartbeat_result(self, total)  # raises JoinAbortedError before FSDP's collectives
+        if needs_input:
+            self._share_input()
         self._pending = total
         self._set_divisor(total)
 
@@ -166,11 +173,27 @@ class FSDPJoinable:
 
     # Shared.
 
-    def _beat(self, signal: float) -> float:
-        beat = torch.full((1,), signal, device=self._device)
+    def _beat(self, signal: float, needs_input: bool) -> tuple[float, bool]:
+        """The heartbeat all-reduce: the total signal, and whether a joined
+        rank needs a peer's input. Bounded by the process group's timeout."""
+        beat = torch.zeros(2, device=self._device)
+        beat[_SIGNAL] = signal
+        beat[_NEEDS_INPUT] = float(needs_input)
         work = dist.all_reduce(beat, group=self._group, async_op=True)
         work.wait()
-        return float(beat.item())
+        total, needing = beat.tolist()
+        return total, needing > 0
+
+    def _share_input(self) -> None:
+        """Give the last input's empty slices to the ranks that have none (a
+        rank that had no batch at all in this Join)."""
+        inputs = all_gather_objects(self._last_input, self._device, self._group)
+        if self._last_input is None:
+            # A peer's CUDA tensors come to this rank's device.
+            self._last_input = _map_tensors(
+                next(i for i in inputs if i is not None),
+                lambda t: t.to(self._device) if t.is_cuda else t,
+            )
 
     def _set_divisor(self, total: float) -> None:
         divisor = float(self._world_size) if self._divide_by_initial_world_size else total
@@ -189,10 +212,10 @@ class FSDPJoinable:
 
     def _replay(self) -> None:
         assert self._last_input is not None
-        args, kwargs = self._last_input
+        args, kwargs, with_grad = self._last_input
         self._replaying = True
         try:
-            if not self._last_with_grad:
+            if not with_grad:
                 with torch.no_grad():
                     self.module(*args, **kwargs)
                 return
@@ -221,18 +244,13 @@ class _FSDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         joinable = self.joinable
         signal = Join.heartbeat_signal(joinable)
-        if joinable._last_input is None and signal >= 0:
-            logger.error(
-                "FSDPJoinable: this rank joined before running any forward of %s, so it has no input "
-                "to replay; aborting the Join on every rank (give every rank at least one batch)",
-                type(joinable.module).__name__,
-            )
-            signal = _CANNOT_SHADOW * (joinable._world_size + 1)
-        total = joinable._beat(signal)
+        total, needs_input = joinable._beat(signal, needs_input=joinable._last_input is None and signal >= 0)
         if not Join.heartbeat_result(joinable, total) or total < 0:
             return
-        if Join.heartbeat_signal(joinable) < 0:
+        if signal < 0:
             return  # a failing rank: Join agrees on the abort next
+        if needs_input:
+            joinable._share_input()
         joinable._set_divisor(total)
         joinable._replay()
 
@@ -244,16 +262,24 @@ class _FSDPJoinHook(JoinHook):
 def _empty_slice(value: Any) -> Any:
     """``value`` with every tensor of one or more dimensions cut to length 0
     along dimension 0 (a fresh tensor: the batch's memory is not kept)."""
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0:
+            return tensor.detach().clone()
+        return tensor.detach().new_empty((0, *tensor.shape[1:]))
+
+    return _map_tensors(value, cut)
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            return value.detach().clone()
-        return value.detach().new_empty((0, *value.shape[1:]))
+        return fn(value)
     if isinstance(value, tuple):
-        return tuple(_empty_slice(v) for v in value)
+        return tuple(_map_tensors(v, fn) for v in value)
     if isinstance(value, list):
-        return [_empty_slice(v) for v in value]
+        return [_map_tensors(v, fn) for v in value]
     if isinstance(value, dict):
-        return {k: _empty_slice(v) for k, v in value.items()}
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value
 
 
