@@ -36,8 +36,12 @@ class FSDPJoinable:
     """Makes a model sharded with ``fully_shard`` a :class:`join_core.Joinable`.
 
     The training loop is unchanged: a forward pre-hook on ``module`` sends
-    Join's heartbeat (one one-element all-reduce before FSDP's first
-    all-gather of the iteration). A rank that has joined runs, per iteration
+    Join's heartbeat (one two-element all-reduce before FSDP's first
+    all-gather of the iteration, bounded by the process group's timeout), and
+    an optimizer step pre-hook hands its result to Join once the iteration's
+    collectives are done (so that with ``throw_on_early_termination`` every
+    rank raises between the same two collectives). Put it first among the
+    Join's joinables: it carries the heartbeat. A rank that has joined runs, per iteration
     of the ranks still training: the heartbeat, ``optimizer.zero_grad()``,
     the forward of ``module`` on an empty slice (batch size 0) of its last
     input, ``backward()`` of the output's sum times zero, and
@@ -54,8 +58,8 @@ class FSDPJoinable:
     before every backward (no gradient accumulation across iterations), a
     model that accepts a batch of size 0 along dimension 0 of every input
     tensor. A rank with no batch at all in a Join replays the empty slice of
-    a peer's input, exchanged once (a second slot of the heartbeat says when
-    one is needed).
+    a peer's input, exchanged once, pickled, between the ranks of the process
+    group (a second slot of the heartbeat says when one is needed).
 
     Args:
         module: a model already passed through ``fully_shard`` (its
