@@ -208,3 +208,25 @@ def _train_failing(rank: int, world_size: int) -> str:
 
 def test_failure_between_iterations_reaches_every_rank() -> None:
     assert run_ranks(_train_failing, 2, timeout=120) == ["JoinAbortedError", "ValueError"]
+
+
+def _train_failing_in_loss(rank: int, world_size: int) -> str:
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with Join([FSDPJoinable(model, optimizer)]):
+            for step in range(3):
+                optimizer.zero_grad()
+                output = model(batch(rank, step)[0])
+                if rank == 1 and step == 1:
+                    raise ValueError("NaN in the loss")  # after the forward, before its backward
+                output.pow(2).mean().backward()
+                optimizer.step()
+    except (ValueError, JoinAbortedError) as error:
+        return type(error).__name__
+    return "finished"
+
+
+def test_failure_between_forward_and_backward_reaches_every_rank() -> None:
+    # The failing rank issues the backward's collectives the others wait in.
+    assert run_ranks(_train_failing_in_loss, 2, timeout=60) == ["JoinAbortedError", "ValueError"]

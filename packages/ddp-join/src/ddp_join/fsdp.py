@@ -112,9 +112,13 @@ class FSDPJoinable:
         self._divisor = float(self._world_size)
         self._last_input: _Input | None = None
         self._pending: float | None = None  # a heartbeat total not yet handed to Join
+        # The output of a forward whose backward has not started: a rank that
+        # fails before that backward still owes its collectives.
+        self._owed_output: Any = None
         self._replaying = False
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward),
             optimizer.register_step_pre_hook(self._pre_step),
         ]
 
@@ -131,6 +135,7 @@ class FSDPJoinable:
         # not be replayed in this one.
         self._last_input = None
         self._pending = None
+        self._owed_output = None
         return _FSDPJoinHook(self)
 
     @property
@@ -163,6 +168,19 @@ class FSDPJoinable:
             self._share_input()
         self._pending = total
         self._set_divisor(total)
+
+    def _post_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._replaying or not Join.is_active(self) or not torch.is_grad_enabled():
+            return
+        tensors: list[torch.Tensor] = []
+        _collect(output, tensors.append)
+        if tensors:
+            self._owed_output = output
+            for tensor in tensors:
+                tensor.register_hook(self._backward_started)
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        self._owed_output = None
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._replaying:
@@ -258,7 +276,16 @@ class _FSDPJoinHook(JoinHook):
         joinable._set_divisor(total)
         joinable._replay()
 
+    def abort_hook(self) -> None:
+        # The rank failed between a forward and its backward (say, in the
+        # loss): the ranks still training wait in that backward's collectives.
+        output, self.joinable._owed_output = self.joinable._owed_output, None
+        zero = _zero_loss(output)
+        if zero is not None:
+            zero.backward()
+
     def post_hook(self, is_last_joiner: bool) -> None:
+        self.joinable._owed_output = None
         self.joinable._pending = None
         self.joinable._set_divisor(float(self.joinable._world_size))
 
