@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, overload
+from typing import Any, Final, overload
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,11 @@ from ddp_join._groups import gather_objects, global_rank, resolve_group
 from join_core import Join, JoinHook
 
 __all__ = ["ZeroRedundancyOptimizer"]
+
+#: Without bucket views, parameters are broadcast in place, except that runs
+#: of smaller ones go together through a flat buffer of at most this size:
+#: one collective for many small tensors, and never a copy of a whole shard.
+COALESCE_BYTES: Final = 1 << 20
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -149,14 +154,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     dist.broadcast(flat, src=global_rank(self.process_group, rank), group=self.process_group)
                 return
             for rank in range(self.world_size):
+                src = global_rank(self.process_group, rank)
                 for params in _by_dtype(self._owned_by(rank)).values():
-                    flat = torch.cat([p.detach().reshape(-1) for p in params])
-                    dist.broadcast(flat, src=global_rank(self.process_group, rank), group=self.process_group)
-                    if rank != self.rank:
-                        offset = 0
-                        for param in params:
-                            param.copy_(flat[offset : offset + param.numel()].view_as(param))
-                            offset += param.numel()
+                    for run in _runs(params, COALESCE_BYTES):
+                        if len(run) == 1 and run[0].is_contiguous():
+                            dist.broadcast(run[0].detach(), src=src, group=self.process_group)
+                            continue
+                        flat = torch.cat([p.detach().reshape(-1) for p in run])
+                        dist.broadcast(flat, src=src, group=self.process_group)
+                        if rank != self.rank:
+                            offset = 0
+                            for param in run:
+                                param.copy_(flat[offset : offset + param.numel()].view_as(param))
+                                offset += param.numel()
+                        del flat  # before the next run's buffer exists
 
     # State.
 
@@ -261,6 +272,21 @@ def _by_dtype(params: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.devic
     for param in params:
         groups.setdefault((param.dtype, param.device), []).append(param)
     return groups
+
+
+def _runs(params: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
+    """``params`` in order, cut into runs of at most ``max_bytes`` (a larger
+    parameter is a run of its own); the same on every rank."""
+    runs: list[list[torch.Tensor]] = []
+    size = max_bytes
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        if size + nbytes > max_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(param)
+        size += nbytes
+    return runs
 
 
 def _fill_defaults(global_group: dict[str, Any], local_group: dict[str, Any]) -> None:
