@@ -9,6 +9,7 @@ with that gradient, so every shard stays current.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ddp_join._groups import all_gather_objects
+from ddp_join._groups import all_gather_bytes
 from join_core import Join, JoinHook
 
 __all__ = ["FSDPJoinable"]
@@ -25,6 +26,9 @@ __all__ = ["FSDPJoinable"]
 # Empty slices of the last forward's positional and keyword arguments, and
 # whether it ran with grad enabled (a training iteration) or not (evaluation).
 _Input: TypeAlias = tuple[tuple[Any, ...], dict[str, Any], bool]
+
+#: The longest input description (JSON) a rank with no batch accepts from a peer.
+_MAX_DESCRIPTION: Final = 1 << 20
 
 #: The heartbeat's slots: Join's signal, and the number of joined ranks
 #: that never ran a forward in this Join and need a peer's input to replay.
@@ -209,13 +213,13 @@ class FSDPJoinable:
     def _share_input(self) -> None:
         """Give the last input's empty slices to the ranks that have none (a
         rank that had no batch at all in this Join)."""
-        inputs = all_gather_objects(self._last_input, self._device, self._group)
+        mine = b"" if self._last_input is None else json.dumps(_describe(self._last_input)).encode()
+        described = all_gather_bytes(mine, self._device, self._group, _MAX_DESCRIPTION)
         if self._last_input is None:
-            # A peer's CUDA tensors come to this rank's device.
-            self._last_input = _map_tensors(
-                next(i for i in inputs if i is not None),
-                lambda t: t.to(self._device) if t.is_cuda else t,
-            )
+            text = next(d for d in described if d)
+            rebuilt = _rebuild(json.loads(text), self._device)
+            args, kwargs, with_grad = rebuilt
+            self._last_input = (tuple(args), dict(kwargs), bool(with_grad))
 
     def _set_divisor(self, total: float) -> None:
         divisor = float(self._world_size) if self._divide_by_initial_world_size else total
@@ -288,6 +292,55 @@ class _FSDPJoinHook(JoinHook):
         self.joinable._owed_output = None
         self.joinable._pending = None
         self.joinable._set_divisor(float(self.joinable._world_size))
+
+
+def _describe(value: Any) -> Any:
+    """A JSON description of an input made of empty tensors and plain values."""
+    if isinstance(value, torch.Tensor):
+        scalar = value.item() if value.dim() == 0 and not value.is_complex() else None
+        return {
+            "tensor": str(value.dtype).removeprefix("torch."),
+            "shape": list(value.shape),
+            "value": scalar,
+        }
+    if isinstance(value, tuple):
+        return {"tuple": [_describe(v) for v in value]}
+    if isinstance(value, list):
+        return {"list": [_describe(v) for v in value]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: _describe(v) for k, v in value.items()}}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    return {"unsupported": type(value).__name__}
+
+
+def _rebuild(described: Any, device: torch.device) -> Any:
+    """The input a :func:`_describe` description stands for, tensors on ``device``."""
+    if not isinstance(described, dict) or len(described) == 0:
+        raise ValueError(f"FSDPJoinable: a malformed input description from a peer: {described!r}")
+    if "tensor" in described:
+        dtype = getattr(torch, str(described["tensor"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"FSDPJoinable: a peer's input has an unknown dtype {described['tensor']!r}")
+        shape = [int(n) for n in described["shape"]]
+        if not shape:
+            return torch.tensor(described["value"], dtype=dtype, device=device)
+        if shape[0] != 0:
+            raise ValueError("FSDPJoinable: a peer described an input tensor that is not empty")
+        return torch.empty(shape, dtype=dtype, device=device)
+    if "tuple" in described:
+        return tuple(_rebuild(v, device) for v in described["tuple"])
+    if "list" in described:
+        return [_rebuild(v, device) for v in described["list"]]
+    if "dict" in described:
+        return {str(k): _rebuild(v, device) for k, v in described["dict"].items()}
+    if "unsupported" in described:
+        raise TypeError(
+            f"FSDPJoinable: this rank had no batch in the Join and cannot replay its peers' input: it holds "
+            f"a {described['unsupported']}; give every rank at least one batch, or inputs made of tensors "
+            "and plain values"
+        )
+    return described["value"]
 
 
 def _empty_slice(value: Any) -> Any:
