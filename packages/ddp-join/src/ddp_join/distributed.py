@@ -203,8 +203,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
-        delay_all_reduce_named_params: Sequence[tuple[str, torch.nn.Parameter]] | None = None,
-        param_to_hook_all_reduce: torch.nn.Parameter | None = None,
+        delay_all_reduce_named_params: Sequence[tuple[str, torch.Tensor]] | None = None,
+        param_to_hook_all_reduce: torch.Tensor | None = None,
         mixed_precision: MixedPrecisionConfig | None = None,
         device_mesh: DeviceMesh | None = None,
         skip_all_reduce_unused_params: bool = False,
@@ -306,7 +306,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     # Construction.
 
     @staticmethod
-    def _check_device(module: torch.nn.Module, device_ids: Sequence[int | torch.device] | None) -> torch.device:
+    def _check_device(
+        module: torch.nn.Module, device_ids: Sequence[int | torch.device] | None
+    ) -> torch.device:
         devices = {p.device for p in module.parameters()}
         if len(devices) != 1:
             found = ", ".join(sorted(map(str, devices))) or "none"

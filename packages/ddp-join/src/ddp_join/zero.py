@@ -32,6 +32,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         process_group: the group to shard over (default: the world).
         parameters_as_bucket_view: keep each rank's parameters as views into
             one flat buffer per dtype, so a shard is broadcast without copies.
+        overlap_with_ddp: must be False: stepping each DDP bucket's shard from
+            a communication hook is not supported; ``step()`` after
+            ``backward()`` steps every shard.
         defaults: keyword arguments of ``optimizer_class`` (``lr=...``).
 
     Example::
@@ -50,8 +53,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         process_group: dist.ProcessGroup | None = None,
         parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
         **defaults: Any,
     ) -> None:
+        if overlap_with_ddp:
+            raise ValueError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True): not supported; leave it False and call "
+                "optimizer.step() after backward() (it steps this rank's shard and broadcasts every shard)"
+            )
+        self.overlap_with_ddp = overlap_with_ddp
         self.process_group = group = resolve_group(process_group, "ZeroRedundancyOptimizer")
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
