@@ -7,13 +7,14 @@ batches.
 """
 
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook, fp16_compress_hook
-from ddp_join.distributed import DistributedDataParallel
+from ddp_join.distributed import DistributedDataParallel, MixedPrecisionConfig
 from ddp_join.zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "CommHook",
     "DistributedDataParallel",
     "GradBucket",
+    "MixedPrecisionConfig",
     "ZeroRedundancyOptimizer",
     "allreduce_hook",
     "fp16_compress_hook",
