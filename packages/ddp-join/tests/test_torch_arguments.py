@@ -19,7 +19,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
-from ddp_join import DistributedDataParallel, GradBucket, ZeroRedundancyOptimizer, allreduce_hook
+from ddp_join import (
+    DistributedDataParallel,
+    GradBucket,
+    ZeroRedundancyOptimizer,
+    allreduce_hook,
+    hook_with_zero_step,
+)
 from join_core import Join
 from join_core.testing import run_ranks
 
@@ -63,8 +69,10 @@ def _rejections(rank: int, world_size: int) -> dict[str, Any]:
             linear, process_group=dist.group.WORLD, device_mesh=init_device_mesh("cpu", (world_size,))
         ),
         "cap_list": lambda: DistributedDataParallel(linear, bucket_cap_mb_list=[]),
-        "overlap": lambda: ZeroRedundancyOptimizer(
-            linear.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1
+        "overlap": lambda: hook_with_zero_step(
+            allreduce_hook,
+            DistributedDataParallel(linear),
+            ZeroRedundancyOptimizer(linear.parameters(), torch.optim.SGD, lr=0.1),
         ),
     }
     messages: dict[str, Any] = {}
@@ -104,7 +112,7 @@ def test_unsupported_arguments_are_rejected_by_name_and_no_ops_are_accepted() ->
     )
     assert "give one of them, not both" in messages["mesh_and_group"]
     assert "bucket_cap_mb_list=[]): must be a non-empty list" in messages["cap_list"]
-    assert "overlap_with_ddp=True): not supported; leave it False" in messages["overlap"]
+    assert "built with overlap_with_ddp=False" in messages["overlap"]
     assert len(messages["warnings"]) == 2
     assert messages["warnings"][0].startswith("FutureWarning: DistributedDataParallel(broadcast_buffers=...)")
     assert messages["warnings"][1].startswith("FutureWarning: DistributedDataParallel(check_reduction=True)")
@@ -313,3 +321,27 @@ def test_scatter_and_gather_work_along_dim() -> None:
     shapes, gathered = run_ranks(_scatter_gather, 1)[0]
     assert shapes == [[2, 4]]
     assert gathered == [2, 8]  # joined along dim=1
+
+
+def _overlap(rank: int, world_size: int) -> list[torch.Tensor]:
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=0.0001)  # several buckets
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.05)
+    model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
+    after_backward: list[torch.Tensor] = []
+    with Join([model, zero]):
+        for step in range(3 + 2 * rank):
+            zero.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            after_backward.append(flat_params(model))
+            zero.step()
+    return [flat_params(model), *after_backward]
+
+
+def test_zero_overlapped_with_ddp_steps_during_backward_under_join() -> None:
+    first, second = run_ranks(_overlap, 2)
+    assert torch.equal(first[0], second[0])
+    expected = reference([3, 5], lambda ps: torch.optim.Adam(ps, lr=0.05))
+    torch.testing.assert_close(first[0], expected, rtol=1e-5, atol=1e-6)
+    # The parameters had changed when backward returned: step() stepped nothing more.
+    assert not torch.equal(first[1], flat_params(make_model()))
+    assert torch.equal(second[-1], second[0])

@@ -9,6 +9,7 @@ batches.
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook, fp16_compress_hook
 from ddp_join.distributed import DistributedDataParallel, MixedPrecisionConfig
 from ddp_join.zero import ZeroRedundancyOptimizer
+from ddp_join.zero_hook import hook_with_zero_step
 
 __all__ = [
     "CommHook",
@@ -18,4 +19,5 @@ __all__ = [
     "ZeroRedundancyOptimizer",
     "allreduce_hook",
     "fp16_compress_hook",
+    "hook_with_zero_step",
 ]
