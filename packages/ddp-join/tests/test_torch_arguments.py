@@ -39,8 +39,12 @@ def test_constructors_take_torchs_arguments_in_torchs_order_with_torchs_defaults
     with warnings.catch_warnings():
         # Importing torch.distributed.optim scripts functional optimizers with torch.jit.
         warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
+            hook_with_zero_step as torch_hook,
+        )
         from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
     assert _parameters(ZeroRedundancyOptimizer.__init__) == _parameters(TorchZero.__init__)
+    assert _parameters(hook_with_zero_step) == _parameters(torch_hook)
     for method in ("will_sync_module_buffers", "to_kwargs", "scatter", "gather"):
         ours, theirs = getattr(DistributedDataParallel, method), getattr(TorchDDP, method)
         assert [name for name, _ in _parameters(ours)] == [name for name, _ in _parameters(theirs)]
