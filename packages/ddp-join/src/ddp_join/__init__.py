@@ -8,18 +8,21 @@ padding nor duplicates, for exact evaluation under Join.
 """
 
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook, fp16_compress_hook
-from ddp_join.distributed import DistributedDataParallel
+from ddp_join.distributed import DistributedDataParallel, MixedPrecisionConfig
 from ddp_join.fsdp import FSDPJoinable
 from ddp_join.sampler import UnevenDistributedSampler
 from ddp_join.zero import ZeroRedundancyOptimizer
+from ddp_join.zero_hook import hook_with_zero_step
 
 __all__ = [
     "CommHook",
     "DistributedDataParallel",
     "FSDPJoinable",
     "GradBucket",
+    "MixedPrecisionConfig",
     "UnevenDistributedSampler",
     "ZeroRedundancyOptimizer",
     "allreduce_hook",
     "fp16_compress_hook",
+    "hook_with_zero_step",
 ]
