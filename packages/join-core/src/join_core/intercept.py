@@ -1,0 +1,132 @@
+"""Seeing the collectives issued on one process group, for as long as asked.
+
+:func:`intercept` replaces a few functions of the ``torch.distributed``
+namespace (:data:`INTERCEPTED`) with wrappers while at least one process group
+is watched, and puts the originals back when the last watch ends. A wrapper
+costs one dictionary look-up for a collective on a group nobody watches, from
+any thread; a collective on a watched group goes to that group's handler,
+whichever thread issues it (DDP's gradient hooks run on autograd's threads on
+CUDA). If something else replaced one of these functions meanwhile, it is left
+in place: a wrapper with no watched group passes every call straight on.
+
+Only calls through the ``torch.distributed`` namespace are seen
+(``dist.all_reduce(...)``, ``torch.distributed.broadcast(...)``): a function
+imported by name before the watch began, ``distributed_c10d``'s own functions
+and functional collectives go straight to the process group.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Final
+
+import torch.distributed as dist
+
+__all__ = ["INTERCEPTED", "Call", "Handler", "intercept", "original"]
+
+#: The intercepted functions of ``torch.distributed``, with their parameters in order.
+INTERCEPTED: Final[dict[str, tuple[str, ...]]] = {
+    "all_reduce": ("tensor", "op", "group", "async_op"),
+    "broadcast": ("tensor", "src", "group", "async_op", "group_src"),
+    "all_gather": ("tensor_list", "tensor", "group", "async_op"),
+    "all_gather_into_tensor": ("output_tensor", "input_tensor", "group", "async_op"),
+    "all_gather_single": ("output_tensor", "input_tensor", "group", "async_op"),
+    "reduce_scatter_tensor": ("output", "input", "op", "group", "async_op"),
+    "reduce": ("tensor", "dst", "op", "group", "async_op", "group_dst"),
+    "barrier": ("group", "async_op", "device_ids", "timeout"),
+}
+
+
+@dataclass
+class Call:
+    """One intercepted call: which function, its arguments by name (defaults
+    left out), where it was called from, and how to make it."""
+
+    name: str
+    arguments: dict[str, Any]
+    caller: FrameType
+    original: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def proceed(self) -> Any:
+        """Make the call as it was issued."""
+        return self.original(*self.args, **self.kwargs)
+
+
+#: What a watched group's collectives go to; it returns what the call returns.
+Handler = Callable[[Call], Any]
+
+_lock = threading.Lock()
+_handlers: dict[dist.ProcessGroup, Handler] = {}
+_originals: dict[str, Callable[..., Any]] = {}
+_wrappers: dict[str, Callable[..., Any]] = {}
+
+
+def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    params = INTERCEPTED[name]
+    group_index = params.index("group")
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not _handlers:
+            return original(*args, **kwargs)
+        group = kwargs.get("group") if len(args) <= group_index else args[group_index]
+        if group is None:
+            group = dist.group.WORLD
+        handler = _handlers.get(group)
+        if handler is None:
+            return original(*args, **kwargs)
+        arguments = dict(zip(params, args))
+        arguments.update(kwargs)
+        return handler(Call(name, arguments, sys._getframe(1), original, args, kwargs))
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = original.__doc__
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def original(name: str) -> Callable[..., Any]:
+    """The un-intercepted ``torch.distributed`` function ``name``."""
+    found = _originals.get(name)
+    return found if found is not None else getattr(dist, name)  # type: ignore[no-any-return]
+
+
+@contextmanager
+def intercept(group: dist.ProcessGroup, handler: Handler) -> Iterator[None]:
+    """Send every intercepted collective on ``group`` to ``handler`` inside the block.
+
+    Raises:
+        RuntimeError: ``group`` is already watched.
+    """
+    with _lock:
+        if group in _handlers:
+            raise RuntimeError(
+                "intercept(group): this process group's collectives are already intercepted; "
+                "use one ShadowCollectives per process group at a time"
+            )
+        if not _handlers:
+            for name in INTERCEPTED:
+                current = getattr(dist, name, None)
+                if current is None:
+                    continue  # not in this torch version
+                wrapper = _wrappers.get(name)
+                if wrapper is None or _originals.get(name) is not current:
+                    wrapper = _wrappers[name] = _wrap(name, current)
+                    _originals[name] = current
+                setattr(dist, name, wrapper)
+        _handlers[group] = handler
+    try:
+        yield
+    finally:
+        with _lock:
+            del _handlers[group]
+            if not _handlers:
+                for name, wrapper in _wrappers.items():
+                    if getattr(dist, name, None) is wrapper:
+                        setattr(dist, name, _originals[name])
