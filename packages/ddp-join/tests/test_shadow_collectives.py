@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import ddp_cases
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ BASE, EXTRA = 3, 2  # rank r trains on BASE + r * EXTRA batches
 OUT = 32768
 
 
-def optimizer_options(name: str) -> dict[str, float]:
+def optimizer_options(name: str) -> dict[str, Any]:
     # Adam's default eps turns the float32 rounding noise of near-zero
     # gradients (sums taken in another order than the reference's) into
     # full-size steps; a larger one keeps the comparison about the collectives.
@@ -39,7 +40,7 @@ class _SyncNormFunction(torch.autograd.Function):
     of the statistics in forward, one of the gradient sums in backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, distributed: bool
     ) -> torch.Tensor:
         count = torch.full((x.shape[1],), float(x.shape[0]))
@@ -54,7 +55,7 @@ class _SyncNormFunction(torch.autograd.Function):
         return xhat * weight + bias
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         xhat, invstd, weight, total = ctx.saved_tensors
         dxhat = dy * weight
         sums = torch.stack([dxhat.sum(0), (dxhat * xhat).sum(0)])
@@ -75,7 +76,9 @@ class SyncNorm(torch.nn.Module):
         self.distributed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _SyncNormFunction.apply(x, self.weight, self.bias, self.distributed)
+        out: torch.Tensor = _SyncNormFunction.apply(  # type: ignore[no-untyped-call]
+            x, self.weight, self.bias, self.distributed
+        )
         return out
 
 
@@ -83,7 +86,9 @@ def make_model(norm: str = "sync") -> torch.nn.Module:
     torch.manual_seed(0)
     layer: torch.nn.Module = SyncNorm(8) if norm == "sync" else torch.nn.BatchNorm1d(8)
     # No bias before the normalization: it cancels out, and Adam would amplify its noise.
-    return torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), layer, torch.nn.Tanh(), torch.nn.Linear(8, OUT))
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8, bias=False), layer, torch.nn.Tanh(), torch.nn.Linear(8, OUT)
+    )
 
 
 def batch(rank: int, step: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +106,9 @@ def reference(world_size: int, optimizer_name: str, norm: str = "sync") -> tuple
     sum of the active ranks' losses over the world size, as DDP averages.
     Returns the parameters and, per iteration, the sum of the active ranks' losses."""
     model = make_model(norm)
-    if isinstance(model[1], SyncNorm):
-        model[1].distributed = False
+    for layer in model.modules():
+        if isinstance(layer, SyncNorm):
+            layer.distributed = False
     optimizer: torch.optim.Optimizer = getattr(torch.optim, optimizer_name)(
         model.parameters(), **optimizer_options(optimizer_name)
     )
@@ -152,7 +158,9 @@ def _train(
     return flat_params(model), sums
 
 
-def _check(results: list[tuple[torch.Tensor, list[float]]], optimizer_name: str, metric: bool, norm: str) -> None:
+def _check(
+    results: list[tuple[torch.Tensor, list[float]]], optimizer_name: str, metric: bool, norm: str
+) -> None:
     world_size = len(results)
     expected, expected_sums = reference(world_size, optimizer_name, "sync" if norm == "sync" else "torch")
     # Adam divides by the root of tiny second moments: a few of its parameters
@@ -188,7 +196,9 @@ def test_composes_with_zero_redundancy_optimizer(optimizer_name: str) -> None:
         pytest.param(
             "gloo",
             id="cuda-gloo",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="SyncBatchNorm needs a CUDA device"),
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="SyncBatchNorm needs a CUDA device"
+            ),
         ),
         pytest.param(
             "nccl",
@@ -226,3 +236,33 @@ def test_sequence_changing_between_iterations_raises_on_every_rank_within_30s() 
         assert "differ" in message
         assert "all_reduce of 3 float32 elements" in message
         assert elapsed < 30
+
+
+def _rank_without_batches(rank: int, world_size: int, metric: bool) -> tuple[torch.Tensor, str]:
+    model = DistributedDataParallel(ddp_cases.make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with Join([model, ShadowCollectives()]):
+            for step in range(0 if rank == 0 else 3):
+                optimizer.zero_grad()
+                loss = ddp_cases.loss_fn(model, *ddp_cases.batch(rank, step))
+                loss.backward()
+                optimizer.step()
+                if metric:
+                    dist.all_reduce(loss.detach().clone())
+    except CollectiveMismatchError as error:
+        return flat_params(model), str(error)
+    return flat_params(model), ""
+
+
+def test_rank_without_batches_shadows_the_joinables_collectives() -> None:
+    results = run_ranks(_rank_without_batches, 3, False, timeout=120)
+    expected = ddp_cases.reference([0, 3, 3], lambda ps: torch.optim.SGD(ps, lr=0.1))
+    for params, message in results:
+        assert message == ""
+        torch.testing.assert_close(params, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rank_without_batches_cannot_shadow_a_metric_and_every_rank_says_so() -> None:
+    for _, message in run_ranks(_rank_without_batches, 3, True, timeout=120):
+        assert "rank 0 (joined)" in message and "having recorded no iteration before joining" in message

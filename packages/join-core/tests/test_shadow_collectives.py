@@ -76,9 +76,9 @@ def test_changing_sequence_raises_on_every_rank() -> None:
         assert "differ" in message
         assert "ranks 1, 2 (training): all_reduce of 4 float32 elements" in message
         assert "rank 0 (joined): all_reduce of 2 float32 elements" in message
-        assert (f"Rank {rank} issues all_reduce(float32[4], op=SUM) at test_shadow_collectives.py" in message) == (
-            rank > 0
-        )
+        assert (
+            f"Rank {rank} issues all_reduce(float32[4], op=SUM) at test_shadow_collectives.py" in message
+        ) == (rank > 0)
         assert elapsed < 30
 
 

@@ -76,9 +76,7 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if not _handlers:
             return original(*args, **kwargs)
         group = kwargs.get("group") if len(args) <= group_index else args[group_index]
-        if group is None:
-            group = dist.group.WORLD
-        handler = _handlers.get(group)
+        handler = _handlers.get(group if group is not None else dist.group.WORLD)  # type: ignore[arg-type]
         if handler is None:
             return original(*args, **kwargs)
         arguments = dict(zip(params, args))
@@ -94,7 +92,9 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
 def original(name: str) -> Callable[..., Any]:
     """The un-intercepted ``torch.distributed`` function ``name``."""
     found = _originals.get(name)
-    return found if found is not None else getattr(dist, name)  # type: ignore[no-any-return]
+    if found is None:
+        found = getattr(dist, name)
+    return found
 
 
 @contextmanager

@@ -201,6 +201,7 @@ class _Shadowing:
         self.switch_at = 0  # step from which the training ranks know this rank joined
         self.base_checking = False
         self.joined = False
+        self.heartbeats_at_join = 0
 
     def handle(self, call: intercept.Call) -> Any:
         if self.stopped:
@@ -253,11 +254,17 @@ class _Shadowing:
         at = len(cycle) if heartbeat is None else heartbeat
         self.switch_at = at if at >= start else at + len(cycle)
         self.base_checking = total is not None and total < self.world_size
+        self.heartbeats_at_join = Join.heartbeats(self.shadow)
 
     def _checking(self, step: int) -> bool:
         # Until the training ranks see the heartbeat that counts this rank out,
         # they check only if an earlier join made them.
-        return self.base_checking or (self.joined and step >= self.switch_at)
+        if self.base_checking:
+            return True
+        if not self.cycle:
+            # Nothing recorded: its own hooks tell when that heartbeat went by.
+            return self.joined and Join.heartbeats(self.shadow) > self.heartbeats_at_join
+        return self.joined and step >= self.switch_at
 
     def _replay(self, call: intercept.Call, total: float | None) -> Any:
         if not self.replaying:
@@ -267,7 +274,9 @@ class _Shadowing:
         ahead = self._find(op)
         if ahead is not None:
             for offset in range(ahead):
-                self._issue_neutral(self.cycle[(self.cursor + offset) % len(self.cycle)], self.step + offset, role)
+                self._issue_neutral(
+                    self.cycle[(self.cursor + offset) % len(self.cycle)], self.step + offset, role
+                )
             step = self.step + ahead
             self.cursor = (self.cursor + ahead + 1) % len(self.cycle)
             self.step += ahead + 1
@@ -304,7 +313,14 @@ class _Shadowing:
     def _check(self, op: _Op, status: int, role: str) -> None:
         """Compare this collective with the other ranks'; raise on every rank if they differ."""
         mine = torch.tensor(
-            [_fingerprint(op), _KINDS.index(op.name), _numel(op), _dtype_index(op), _ROLES.index(role), status],
+            [
+                _fingerprint(op),
+                _KINDS.index(op.name),
+                _numel(op),
+                _dtype_index(op),
+                _ROLES.index(role),
+                status,
+            ],
             dtype=torch.int64,
             device=self.device,
         )
@@ -346,10 +362,8 @@ def _op_of(call: intercept.Call) -> _Op:
     else:  # barrier
         specs = ()
     code = call.caller.f_code
-    if code.co_filename == _JOIN_FILE:
-        origin = ("join", 0)  # Join's heartbeat comes from one place on a training rank, another on a joined one
-    else:
-        origin = (code.co_filename, call.caller.f_lineno)
+    # Join's heartbeat comes from one place on a training rank, another on a joined one.
+    origin = ("join", 0) if code.co_filename == _JOIN_FILE else (code.co_filename, call.caller.f_lineno)
     return _Op(name, specs, reduce_op, root, origin)
 
 
@@ -372,13 +386,13 @@ def _neutral_value(reduce_op: Any, dtype: torch.dtype) -> float | int | bool:
         return 1
     if reduce_op == ops.BAND:
         return True if dtype == torch.bool else -1
-    high = reduce_op == ops.MIN
+    high = bool(reduce_op == ops.MIN)
     if dtype == torch.bool:
         return high
     if dtype.is_floating_point:
         return float("inf") if high else float("-inf")
     info = torch.iinfo(dtype)
-    return info.max if high else info.min
+    return int(info.max if high else info.min)
 
 
 def _neutral_call(op: _Op, group: dist.ProcessGroup) -> None:
@@ -434,7 +448,9 @@ def _describe(op: _Op) -> str:
     if op.root is not None:
         key = "src" if op.name == "broadcast" else "dst"
         extra += f", {key}={op.root[0] if op.root[1] is None else op.root[1]}"
-    where = "Join's heartbeat" if op.origin[0] == "join" else f"{os.path.basename(op.origin[0])}:{op.origin[1]}"
+    where = (
+        "Join's heartbeat" if op.origin[0] == "join" else f"{os.path.basename(op.origin[0])}:{op.origin[1]}"
+    )
     return f"{op.name}({tensors}{extra}) at {where}"
 
 
