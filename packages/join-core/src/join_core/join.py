@@ -347,21 +347,6 @@ class Join:
         return 0 if found is None else found[0]._reported
 
     @staticmethod
-    def iterations(joinable: Joinable) -> int:
-        """How many iterations this rank has begun in the Join ``joinable`` is in
-        (calls of :meth:`notify_join_context` by its first joinable; 0 outside one)."""
-        found = _lookup(joinable)
-        return 0 if found is None else found[0]._iterations
-
-    @staticmethod
-    def last_heartbeat(joinable: Joinable) -> float | None:
-        """The latest heartbeat this rank has seen in the Join ``joinable`` is in:
-        the number of ranks training, 0 once all have joined, negative once one
-        failed; None before the first and outside a Join."""
-        found = _lookup(joinable)
-        return None if found is None else found[0]._last_total
-
-    @staticmethod
     def heartbeat_signal(joinable: Joinable) -> float:
         """The value this rank puts in the heartbeat slot it carries: 1 while
         training (also outside a Join), 0 once joined, negative when failing."""

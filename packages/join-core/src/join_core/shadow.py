@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import zlib
 from contextlib import AbstractContextManager
+from types import CodeType
 from typing import Any, Final, NamedTuple
 
 import torch
@@ -52,6 +53,9 @@ _ROLES: Final = ("training", "joined", "failing")
 # The check's fields: fingerprint, kind, elements, dtype, role, status.
 _FIELDS: Final = 6
 _OK, _CANNOT_SHADOW, _NOT_RECORDED = 0, 1, 2
+# Comparing ReduceOps costs more than recording the rest: the common one by identity.
+_SUM: Final = dist.ReduceOp.SUM
+_AVG: Final = dist.ReduceOp.AVG
 
 _Spec = tuple[torch.Size, torch.dtype, torch.device]
 
@@ -73,7 +77,8 @@ class _Op(NamedTuple):
     specs: tuple[_Spec, ...]
     reduce_op: Any  # a ReduceOp, or None
     root: tuple[int | None, int | None] | None  # (src or dst, group_src or group_dst)
-    origin: tuple[str, int]  # (file, line) of the caller; ("join", 0) for Join's own
+    # The caller's code and instruction; (None, 0) for Join's own collectives.
+    origin: tuple[CodeType | None, int]
 
 
 class ShadowCollectives:
@@ -145,12 +150,13 @@ class ShadowCollectives:
 
     def _enter(self) -> None:
         found = _lookup(self)
-        if found is not None and found[1]:
+        assert found is not None, "enter_hook runs inside an entered Join"
+        if found[1]:
             raise ValueError(
                 "Join(joinables[0]=ShadowCollectives): it cannot be first, it issues no heartbeat; "
                 "put it after the joinables, e.g. Join([model, ShadowCollectives()])"
             )
-        shadowing = _Shadowing(self)
+        shadowing = _Shadowing(self, found[0])
         context = intercept.intercept(self.process_group, shadowing.handle)
         context.__enter__()
         self._context = context
@@ -177,10 +183,15 @@ class _ShadowHook(JoinHook):
 
 class _Shadowing:
     """The state of one entered Join: recording on a training rank, replaying
-    on a joined or failing one."""
+    on a joined or failing one.
 
-    def __init__(self, shadow: ShadowCollectives) -> None:
+    It reads the Join's progress from its attributes, as a part of the same
+    package: through the public static methods it would cost a few
+    microseconds per collective of a healthy step."""
+
+    def __init__(self, shadow: ShadowCollectives, join: Join) -> None:
         self.shadow = shadow
+        self.join = join
         self.group = shadow.process_group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -206,26 +217,26 @@ class _Shadowing:
     def handle(self, call: intercept.Call) -> Any:
         if self.stopped:
             return call.proceed()
-        total = Join.last_heartbeat(self.shadow)
+        total = self.join._last_total
         if total is not None and total <= 0:
             return call.proceed()  # every rank has joined, or a rank failed: no iterations left
-        if Join.heartbeat_signal(self.shadow) > 0:
+        if self.join._signal() > 0:
             return self._record(call, total)
         return self._replay(call, total)
 
     # Training.
 
     def _record(self, call: intercept.Call, total: float | None) -> Any:
-        iteration = Join.iterations(self.shadow)
+        iteration = self.join._iterations
         if iteration != self.iteration:
             if self.iteration > 0:
                 self.last, self.last_heartbeat = self.current, self.current_heartbeat
             self.iteration = iteration
             self.current, self.current_heartbeat = [], None
-        if self.current_heartbeat is None and 0 < iteration <= Join.heartbeats(self.shadow):
+        if self.current_heartbeat is None and 0 < iteration <= self.join._reported:
             self.current_heartbeat = len(self.current)  # this iteration's heartbeat arrived
         op = _op_of(call)
-        if op.reduce_op == dist.ReduceOp.AVG:
+        if op.reduce_op is not None and op.reduce_op is not _SUM and op.reduce_op == _AVG:
             raise ValueError(
                 f"{_describe(op)}: ShadowCollectives cannot shadow ReduceOp.AVG (a joined rank would "
                 "count in the divisor); all-reduce with ReduceOp.SUM and divide by the ranks that took part"
@@ -239,7 +250,7 @@ class _Shadowing:
 
     def _start_replay(self, total: float | None) -> None:
         self.replaying = True
-        self.joined = Join.heartbeat_signal(self.shadow) == 0
+        self.joined = self.join._signal() == 0
         if self.joined:
             # Its body ended after a whole iteration: replay that one, from the start.
             cycle = self.current if self.iteration > 0 else []
@@ -254,7 +265,7 @@ class _Shadowing:
         at = len(cycle) if heartbeat is None else heartbeat
         self.switch_at = at if at >= start else at + len(cycle)
         self.base_checking = total is not None and total < self.world_size
-        self.heartbeats_at_join = Join.heartbeats(self.shadow)
+        self.heartbeats_at_join = self.join._reported
 
     def _checking(self, step: int) -> bool:
         # Until the training ranks see the heartbeat that counts this rank out,
@@ -263,7 +274,7 @@ class _Shadowing:
             return True
         if not self.cycle:
             # Nothing recorded: its own hooks tell when that heartbeat went by.
-            return self.joined and Join.heartbeats(self.shadow) > self.heartbeats_at_join
+            return self.joined and self.join._reported > self.heartbeats_at_join
         return self.joined and step >= self.switch_at
 
     def _replay(self, call: intercept.Call, total: float | None) -> Any:
@@ -338,33 +349,48 @@ def _spec(tensor: torch.Tensor) -> _Spec:
 
 
 def _op_of(call: intercept.Call) -> _Op:
-    args, name = call.arguments, call.name
+    name, argument = call.name, call.argument
     reduce_op: Any = None
     root: tuple[int | None, int | None] | None = None
     specs: tuple[_Spec, ...]
     if name == "all_reduce":
-        specs = (_spec(args["tensor"]),)
-        reduce_op = args.get("op", dist.ReduceOp.SUM)
+        specs = (_spec(argument("tensor")),)
+        reduce_op = argument("op", _SUM)
     elif name == "broadcast":
-        specs = (_spec(args["tensor"]),)
-        root = (args.get("src"), args.get("group_src"))
+        specs = (_spec(argument("tensor")),)
+        root = (argument("src"), argument("group_src"))
     elif name == "reduce":
-        specs = (_spec(args["tensor"]),)
-        reduce_op = args.get("op", dist.ReduceOp.SUM)
-        root = (args.get("dst"), args.get("group_dst"))
+        specs = (_spec(argument("tensor")),)
+        reduce_op = argument("op", _SUM)
+        root = (argument("dst"), argument("group_dst"))
     elif name == "all_gather":
-        specs = (*(_spec(t) for t in args["tensor_list"]), _spec(args["tensor"]))
+        specs = (*(_spec(t) for t in argument("tensor_list")), _spec(argument("tensor")))
     elif name in ("all_gather_into_tensor", "all_gather_single"):
-        specs = (_spec(args["output_tensor"]), _spec(args["input_tensor"]))
+        specs = (_spec(argument("output_tensor")), _spec(argument("input_tensor")))
     elif name == "reduce_scatter_tensor":
-        specs = (_spec(args["output"]), _spec(args["input"]))
-        reduce_op = args.get("op", dist.ReduceOp.SUM)
+        specs = (_spec(argument("output")), _spec(argument("input")))
+        reduce_op = argument("op", _SUM)
     else:  # barrier
         specs = ()
-    code = call.caller.f_code
+    frame = call.caller
+    code = frame.f_code
     # Join's heartbeat comes from one place on a training rank, another on a joined one.
-    origin = ("join", 0) if code.co_filename == _JOIN_FILE else (code.co_filename, call.caller.f_lineno)
-    return _Op(name, specs, reduce_op, root, origin)
+    origin = (None, 0) if code.co_filename == _JOIN_FILE else (code, frame.f_lasti)
+    return tuple.__new__(_Op, (name, specs, reduce_op, root, origin))
+
+
+def _line(op: _Op) -> tuple[str, int]:
+    """The file name and line an op is issued from (derived here: a frame's
+    line number costs more than the rest of recording)."""
+    code, offset = op.origin
+    if code is None:
+        return ("join", 0)
+    line = code.co_firstlineno
+    for start, end, number in code.co_lines():
+        if start <= offset < end and number is not None:
+            line = number
+            break
+    return (os.path.basename(code.co_filename), line)
 
 
 def _group_root(op: _Op, group: dist.ProcessGroup) -> int | None:
@@ -425,7 +451,7 @@ def _neutral_call(op: _Op, group: dist.ProcessGroup) -> None:
 
 def _fingerprint(op: _Op) -> int:
     shapes = [(tuple(shape), str(dtype)) for shape, dtype, _ in op.specs]
-    where = (os.path.basename(op.origin[0]), op.origin[1])
+    where = _line(op)
     return zlib.crc32(repr((op.name, shapes, str(op.reduce_op), op.root, where)).encode())
 
 
@@ -448,9 +474,8 @@ def _describe(op: _Op) -> str:
     if op.root is not None:
         key = "src" if op.name == "broadcast" else "dst"
         extra += f", {key}={op.root[0] if op.root[1] is None else op.root[1]}"
-    where = (
-        "Join's heartbeat" if op.origin[0] == "join" else f"{os.path.basename(op.origin[0])}:{op.origin[1]}"
-    )
+    file, line = _line(op)
+    where = "Join's heartbeat" if op.origin[0] is None else f"{file}:{line}"
     return f"{op.name}({tensors}{extra}) at {where}"
 
 
