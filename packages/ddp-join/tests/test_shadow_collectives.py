@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from ddp_cases import flat_params
 
-from ddp_join import DistributedDataParallel, ZeroRedundancyOptimizer
+from ddp_join import DistributedDataParallel, GradBucket, ZeroRedundancyOptimizer, allreduce_hook
 from join_core import CollectiveMismatchError, Join, ShadowCollectives
 from join_core.testing import run_ranks
 
@@ -127,8 +127,20 @@ def reference(world_size: int, optimizer_name: str, norm: str = "sync") -> tuple
     return flat_params(model), sums
 
 
+def _own_allreduce_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # Not the built-in reduction, so the heartbeat cannot ride in the first bucket.
+    return allreduce_hook(state, bucket)
+
+
 def _train(
-    rank: int, world_size: int, metric: bool, optimizer_name: str, zero: bool, norm: str, device: str
+    rank: int,
+    world_size: int,
+    metric: bool,
+    optimizer_name: str,
+    zero: bool,
+    norm: str,
+    device: str,
+    separate_heartbeat: bool = False,
 ) -> tuple[torch.Tensor, list[float]]:
     dev = torch.device(device if device == "cpu" else f"cuda:{rank if dist.get_backend() == 'nccl' else 0}")
     module = make_model(norm).to(dev)
@@ -137,6 +149,8 @@ def _train(
     model = DistributedDataParallel(
         module, device_ids=[dev] if dev.type == "cuda" else None, bucket_cap_mb=0.0001
     )
+    if separate_heartbeat:
+        model.register_comm_hook(None, _own_allreduce_hook)
     optimizer_class: type[torch.optim.Optimizer] = getattr(torch.optim, optimizer_name)
     optimizer: torch.optim.Optimizer = (
         ZeroRedundancyOptimizer(model.parameters(), optimizer_class, **optimizer_options(optimizer_name))
@@ -179,8 +193,9 @@ def test_layer_syncing_statistics_in_forward_matches_union_reference(world_size:
     _check(results, "SGD", False, "sync")
 
 
-def test_metric_all_reduced_in_the_loop_sums_the_active_ranks() -> None:
-    results = run_ranks(_train, 3, True, "SGD", False, "sync", "cpu", timeout=240)
+@pytest.mark.parametrize("separate", [False, True], ids=["heartbeat-carried", "heartbeat-all-reduce"])
+def test_metric_all_reduced_in_the_loop_sums_the_active_ranks(separate: bool) -> None:
+    results = run_ranks(_train, 3, True, "SGD", False, "sync", "cpu", separate, timeout=240)
     _check(results, "SGD", True, "sync")
 
 
@@ -266,3 +281,35 @@ def test_rank_without_batches_shadows_the_joinables_collectives() -> None:
 def test_rank_without_batches_cannot_shadow_a_metric_and_every_rank_says_so() -> None:
     for _, message in run_ranks(_rank_without_batches, 3, True, timeout=120):
         assert "rank 0 (joined)" in message and "having recorded no iteration before joining" in message
+
+
+def _fails(rank: int, world_size: int, where: str) -> tuple[str, float]:
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=0.0001)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    start = time.monotonic()
+    try:
+        with Join([model, ShadowCollectives()]):
+            for step in range(counts(world_size)[rank]):
+                if rank == 1 and step == 2 and where == "between-iterations":
+                    raise ValueError("failed between iterations")
+                optimizer.zero_grad()
+                out = model(batch(rank, step)[0])  # the layer all-reduced its statistics
+                if rank == 1 and step == 2 and where == "after-forward":
+                    raise ValueError("failed after forward")
+                torch.nn.functional.mse_loss(out, batch(rank, step)[1]).backward()
+                optimizer.step()
+                dist.all_reduce(torch.ones(1))
+    except Exception as error:  # noqa: BLE001 - the test reports every rank's error
+        return f"{type(error).__name__}: {error}", time.monotonic() - start
+    return "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("where", ["between-iterations", "after-forward"])
+def test_failure_with_collectives_no_joinable_owns_reaches_every_rank(where: str) -> None:
+    results = run_ranks(_fails, 3, where, timeout=120)
+    for rank, (message, elapsed) in enumerate(results):
+        if rank == 1:
+            assert message.startswith("ValueError: failed")
+        else:
+            assert message.startswith("JoinAbortedError") and "rank 1 raised ValueError" in message
+        assert elapsed < 30
