@@ -2,9 +2,11 @@
 
 Two processes on 127.0.0.1 (gloo, CPU) train Linear(16, 16) with our DDP and
 all-reduce the loss every step, as a loop that logs a metric does. Adjacent
-runs under ``Join([model])`` and ``Join([model, ShadowCollectives()])``, in
-alternating order, give one ratio each; the figure is their median (slow
-drifts of the machine cancel out within a pair). torch.profiler then counts
+short runs under ``Join([model])`` and ``Join([model, ShadowCollectives()])``,
+in alternating order, give one ratio each; the figure is their median (slow
+drifts of the machine cancel out within a pair). A second run of
+``Join([model])`` in each round gives the same ratio between two identical
+runs: the noise floor the figure is printed with. torch.profiler then counts
 the gloo collectives of healthy iterations with and without it. torch has no
 counterpart (its answer is ``throw_on_early_termination``), hence no torch
 column.
@@ -68,18 +70,23 @@ def _timed(
     return (time.perf_counter() - start) / steps
 
 
-def _overhead(rank: int, world_size: int, pairs: int, steps: int) -> list[float]:
-    """Per pair, seconds per step with ShadowCollectives over seconds per step without."""
+def _overhead(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Per round, seconds per step with ShadowCollectives over seconds per step
+    without ("shadow"), and without over without ("control")."""
     torch.set_num_threads(1)
     data = torch.randn(8, 16)
     model, optimizer = _trainer()
     for shadow in (False, True):
         _timed(model, optimizer, data, 20, shadow)  # warm-up
-    ratios = []
-    for pair in range(pairs):
-        order = (False, True) if pair % 2 == 0 else (True, False)
-        times = {shadow: _timed(model, optimizer, data, steps, shadow) for shadow in order}
-        ratios.append(times[True] / times[False])
+    ratios: dict[str, list[float]] = {"shadow": [], "control": []}
+    runs = [("join", False), ("shadow", True), ("again", False)]
+    for round_ in range(rounds):
+        times = {
+            key: _timed(model, optimizer, data, steps, shadow)
+            for key, shadow in runs[:: 1 - 2 * (round_ % 2)]
+        }
+        ratios["shadow"].append(times["shadow"] / times["join"])
+        ratios["control"].append(times["again"] / times["join"])
     return ratios
 
 
@@ -103,9 +110,12 @@ def _collectives(rank: int, world_size: int) -> dict[str, int]:
 
 def shadow_figures(rounds: int, quick: bool) -> list[Figure]:
     """The overhead of ShadowCollectives on a healthy step, and its extra collectives."""
-    pairs = max(rounds * 2, 10 if quick else 30)
-    ratios: Any = run_ranks(_overhead, 2, pairs, 50 if quick else 100, timeout=900)[0]
-    overhead = statistics.median(ratios) - 1
+    ratios: Any = run_ranks(_overhead, 2, max(rounds * 4, 20 if quick else 100), 20, timeout=900)[0]
+    overhead = statistics.median(ratios["shadow"]) - 1
+    noise = statistics.median(ratios["control"]) - 1
+    print(
+        f"ShadowCollectives overhead {overhead * 100:+.2f} %; two identical runs differ by {noise * 100:+.2f} %"
+    )
     counts = run_ranks(_collectives, 2, timeout=300)[0]
     extra = (counts["shadow"] - counts["join"]) / 5
     return [
