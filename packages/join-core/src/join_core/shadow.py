@@ -113,7 +113,8 @@ class ShadowCollectives:
     once the training ranks know of the join, each collective on the group is
     preceded by a small all-gather that compares the ranks' ops, and a
     difference raises :class:`CollectiveMismatchError` on every rank. A rank
-    must begin at least one iteration before it runs out of inputs.
+    that runs out before its first iteration has nothing to replay: it still
+    shadows the other joinables, and a collective of the loop raises.
 
     Args:
         process_group: the group to shadow, that of the other joinables
