@@ -216,28 +216,27 @@ class _Shadowing:
         self.heartbeats_at_join = 0
 
     def handle(self, call: intercept.Call) -> Any:
-        if self.stopped:
-            return call.proceed()
-        total = self.join._last_total
-        if total is not None and total <= 0:
-            return call.proceed()  # every rank has joined, or a rank failed: no iterations left
-        if self.join._signal() > 0:
-            return self._record(call, total)
-        return self._replay(call, total)
-
-    # Training.
-
-    def _record(self, call: intercept.Call, total: float | None) -> Any:
-        iteration = self.join._iterations
+        # Every collective of a healthy step comes through here, after a
+        # backward pass has left the caches cold: the training path is kept
+        # to a few lines, with one call of its own.
+        join = self.join
+        total = join._last_total
+        if self.stopped or (total is not None and total <= 0):
+            # After a mismatch; or every rank has joined, or a rank failed: no iterations left.
+            return call.original(*call.args, **call.kwargs)
+        if join._signal() <= 0:
+            return self._replay(call, total)
+        iteration = join._iterations
         if iteration != self.iteration:
             if self.iteration > 0:
                 self.last, self.last_heartbeat = self.current, self.current_heartbeat
             self.iteration = iteration
             self.current, self.current_heartbeat = [], None
-        if self.current_heartbeat is None and 0 < iteration <= self.join._reported:
+        if self.current_heartbeat is None and 0 < iteration <= join._reported:
             self.current_heartbeat = len(self.current)  # this iteration's heartbeat arrived
         op = _op_of(call)
-        if op.reduce_op is not None and op.reduce_op is not _SUM and op.reduce_op == _AVG:
+        reduce_op = op.reduce_op
+        if reduce_op is not None and reduce_op is not _SUM and reduce_op == _AVG:
             raise ValueError(
                 f"{_describe(op)}: ShadowCollectives cannot shadow ReduceOp.AVG (a joined rank would "
                 "count in the divisor); all-reduce with ReduceOp.SUM and divide by the ranks that took part"
@@ -245,7 +244,7 @@ class _Shadowing:
         if total is not None and total < self.world_size:
             self._check(op, _OK, "training")
         self.current.append(op)
-        return call.proceed()
+        return call.original(*call.args, **call.kwargs)
 
     # Joined or failing.
 
@@ -350,14 +349,20 @@ def _spec(tensor: torch.Tensor) -> _Spec:
 
 
 def _op_of(call: intercept.Call) -> _Op:
-    name, argument = call.name, call.argument
-    reduce_op: Any = None
-    root: tuple[int | None, int | None] | None = None
+    name, args, _, frame, _ = call
+    code = frame.f_code
+    # Join's heartbeat comes from one place on a training rank, another on a joined one.
+    origin = (None, 0) if code.co_filename == _JOIN_FILE else (code, frame.f_lasti)
+    if name == "all_reduce":  # the common one, without the general look-ups
+        tensor = args[0] if args else call.kwargs["tensor"]
+        reduce_op = args[1] if len(args) > 1 else call.kwargs.get("op", _SUM)
+        one: tuple[_Spec, ...] = ((tensor.shape, tensor.dtype, tensor.device),)
+        return tuple.__new__(_Op, (name, one, reduce_op, None, origin))
+    argument = call.argument
     specs: tuple[_Spec, ...]
-    if name == "all_reduce":
-        specs = (_spec(argument("tensor")),)
-        reduce_op = argument("op", _SUM)
-    elif name == "broadcast":
+    reduce_op = None
+    root: tuple[int | None, int | None] | None = None
+    if name == "broadcast":
         specs = (_spec(argument("tensor")),)
         root = (argument("src"), argument("group_src"))
     elif name == "reduce":
@@ -373,10 +378,6 @@ def _op_of(call: intercept.Call) -> _Op:
         reduce_op = argument("op", _SUM)
     else:  # barrier
         specs = ()
-    frame = call.caller
-    code = frame.f_code
-    # Join's heartbeat comes from one place on a training rank, another on a joined one.
-    origin = (None, 0) if code.co_filename == _JOIN_FILE else (code, frame.f_lasti)
     return tuple.__new__(_Op, (name, specs, reduce_op, root, origin))
 
 
