@@ -158,3 +158,28 @@ def test_avg_cannot_be_shadowed_and_says_what_to_use() -> None:
         raise AssertionError(str(error)) from error
     for message in results:
         assert "ReduceOp.AVG" in message and "ReduceOp.SUM" in message
+
+
+def _patched_meanwhile(rank: int, world_size: int) -> dict[str, Any]:
+    original = dist.all_reduce
+    calls: list[str] = []
+    with Join([CountingJoinable(False), ShadowCollectives()]):
+        ours = dist.all_reduce
+
+        # Another library wraps the function while the context is entered.
+        def theirs(*args: Any, **kwargs: Any) -> Any:
+            calls.append("theirs")
+            return ours(*args, **kwargs)
+
+        dist.all_reduce = theirs
+    left_in_place = dist.all_reduce is theirs
+    calls.clear()  # Join's own heartbeats went through it too
+    value = torch.ones(1)
+    dist.all_reduce(value)  # theirs, then ours passing straight on
+    dist.all_reduce = original
+    return {"left_in_place": left_in_place, "calls": calls, "value": value.item()}
+
+
+def test_a_function_replaced_by_someone_else_meanwhile_is_left_in_place() -> None:
+    for result in run_ranks(_patched_meanwhile, 2):
+        assert result == {"left_in_place": True, "calls": ["theirs"], "value": 2.0}
