@@ -6,7 +6,8 @@ short runs under ``Join([model])`` and ``Join([model, ShadowCollectives()])``,
 in alternating order, give one ratio each; the figure is their median (slow
 drifts of the machine cancel out within a pair). A second run of
 ``Join([model])`` in each round gives the same ratio between two identical
-runs: the noise floor the figure is printed with. torch.profiler then counts
+runs: the noise floor the figure is printed with, next to the same ratio in
+CPU time of the rank (which the machine's other load moves less). torch.profiler then counts
 the gloo collectives of healthy iterations with and without it. torch has no
 counterpart (its answer is ``throw_on_early_termination``), hence no torch
 column.
@@ -63,11 +64,15 @@ def _timed(
     shadow: bool,
 ) -> float:
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     with _join(model, shadow):
         _steps(model, optimizer, data, steps)
+    _cpu_times.append((time.thread_time() - cpu) / steps)
     dist.barrier()
     return (time.perf_counter() - start) / steps
+
+
+_cpu_times: list[float] = []  # CPU seconds per step of each timed run, in order
 
 
 def _overhead(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
@@ -78,15 +83,16 @@ def _overhead(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, 
     model, optimizer = _trainer()
     for shadow in (False, True):
         _timed(model, optimizer, data, 20, shadow)  # warm-up
-    ratios: dict[str, list[float]] = {"shadow": [], "control": []}
+    ratios: dict[str, list[float]] = {"shadow": [], "control": [], "cpu": []}
     runs = [("join", False), ("shadow", True), ("again", False)]
     for round_ in range(rounds):
-        times = {
-            key: _timed(model, optimizer, data, steps, shadow)
-            for key, shadow in runs[:: 1 - 2 * (round_ % 2)]
-        }
+        times, cpu = {}, {}
+        for key, shadow in runs[:: 1 - 2 * (round_ % 2)]:
+            times[key] = _timed(model, optimizer, data, steps, shadow)
+            cpu[key] = _cpu_times[-1]
         ratios["shadow"].append(times["shadow"] / times["join"])
         ratios["control"].append(times["again"] / times["join"])
+        ratios["cpu"].append(cpu["shadow"] / cpu["join"])
     return ratios
 
 
@@ -110,11 +116,15 @@ def _collectives(rank: int, world_size: int) -> dict[str, int]:
 
 def shadow_figures(rounds: int, quick: bool) -> list[Figure]:
     """The overhead of ShadowCollectives on a healthy step, and its extra collectives."""
-    ratios: Any = run_ranks(_overhead, 2, max(rounds * 4, 20 if quick else 100), 20, timeout=900)[0]
+    ratios: Any = run_ranks(
+        _overhead, 2, max(rounds * 2, 10 if quick else 30), 50 if quick else 100, timeout=900
+    )[0]
     overhead = statistics.median(ratios["shadow"]) - 1
     noise = statistics.median(ratios["control"]) - 1
+    cpu = statistics.median(ratios["cpu"]) - 1
     print(
-        f"ShadowCollectives overhead {overhead * 100:+.2f} %; two identical runs differ by {noise * 100:+.2f} %"
+        f"ShadowCollectives overhead {overhead * 100:+.2f} % in wall time (two identical runs differ by "
+        f"{noise * 100:+.2f} %), {cpu * 100:+.2f} % in CPU time of the rank"
     )
     counts = run_ranks(_collectives, 2, timeout=300)[0]
     extra = (counts["shadow"] - counts["join"]) / 5
