@@ -283,18 +283,18 @@ def test_rank_without_batches_cannot_shadow_a_metric_and_every_rank_says_so() ->
         assert "rank 0 (joined)" in message and "having recorded no iteration before joining" in message
 
 
-def _fails(rank: int, world_size: int, where: str) -> tuple[str, float]:
+def _fails(rank: int, world_size: int, where: str, failing: int, at: int) -> tuple[str, float]:
     model = DistributedDataParallel(make_model(), bucket_cap_mb=0.0001)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     start = time.monotonic()
     try:
         with Join([model, ShadowCollectives()]):
             for step in range(counts(world_size)[rank]):
-                if rank == 1 and step == 2 and where == "between-iterations":
+                if (rank, step, where) == (failing, at, "between-iterations"):
                     raise ValueError("failed between iterations")
                 optimizer.zero_grad()
                 out = model(batch(rank, step)[0])  # the layer all-reduced its statistics
-                if rank == 1 and step == 2 and where == "after-forward":
+                if (rank, step, where) == (failing, at, "after-forward"):
                     raise ValueError("failed after forward")
                 torch.nn.functional.mse_loss(out, batch(rank, step)[1]).backward()
                 optimizer.step()
@@ -305,11 +305,18 @@ def _fails(rank: int, world_size: int, where: str) -> tuple[str, float]:
 
 
 @pytest.mark.parametrize("where", ["between-iterations", "after-forward"])
-def test_failure_with_collectives_no_joinable_owns_reaches_every_rank(where: str) -> None:
-    results = run_ranks(_fails, 3, where, timeout=120)
+@pytest.mark.parametrize(
+    "failing,at",
+    [(1, 2), (2, 5)],
+    ids=["all-training", "others-joined"],  # ranks 0 and 1 have joined by step 5 of rank 2
+)
+def test_failure_with_collectives_no_joinable_owns_reaches_every_rank(
+    where: str, failing: int, at: int
+) -> None:
+    results = run_ranks(_fails, 3, where, failing, at, timeout=120)
     for rank, (message, elapsed) in enumerate(results):
-        if rank == 1:
+        if rank == failing:
             assert message.startswith("ValueError: failed")
         else:
-            assert message.startswith("JoinAbortedError") and "rank 1 raised ValueError" in message
+            assert message.startswith("JoinAbortedError") and f"rank {failing} raised ValueError" in message
         assert elapsed < 30
