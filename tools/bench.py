@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from bench_fsdp import fsdp_figures
 from bench_rpc import rpc_figures
+from bench_shadow import shadow_figures
 from benchlib import Figure, write_results
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -222,6 +223,7 @@ def ddp_figures(rounds: int, quick: bool) -> list[Figure]:
             extra_ours <= 0,
         )
     )
+    figures += shadow_figures(rounds, quick)
     return figures
 
 

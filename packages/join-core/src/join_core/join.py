@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
+from join_core.hook import JoinHook
 from join_core.joinable import Joinable
 
 __all__ = ["Join", "JoinAbortedError"]
@@ -121,6 +122,8 @@ class Join:
         self._state = _State.TRAINING
         self._last_total: float | None = None  # the latest heartbeat seen by this rank
         self._reported = 0  # heartbeats seen so far
+        self._iterations = 0  # notify_join_context calls of the first joinable
+        self._entered_hooks: list[JoinHook] = []
         self._done = False  # an early termination or abort was already agreed on
         self._entered = False
 
@@ -141,6 +144,13 @@ class Join:
                     )
             for index, joinable in enumerate(self._joinables):
                 _registry[id(joinable)] = (joinable, self, index == 0)
+        try:
+            for hook in self._hooks:
+                hook.enter_hook()
+                self._entered_hooks.append(hook)
+        except BaseException:
+            self._leave()
+            raise
         return self
 
     def __exit__(
@@ -157,6 +167,13 @@ class Join:
                 self._shadow_until_all_joined()
             elif not self._done and isinstance(exc, Exception) and not isinstance(exc, dist.DistError):
                 self._abort(exc)
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        try:
+            while self._entered_hooks:
+                self._entered_hooks.pop().exit_hook()
         finally:
             with _registry_lock:
                 for joinable in self._joinables:
@@ -196,7 +213,8 @@ class Join:
         """One heartbeat from a rank not training: the number of ranks training,
         or a negative number if a rank failed."""
         if not self._fused:
-            return self._all_reduce_signal(self._signal(), timeout)
+            self._last_total = self._all_reduce_signal(self._signal(), timeout)
+            return self._last_total
         reported_before = self._reported
         self._hooks[0].main_hook()
         if self._reported == reported_before or self._last_total is None:
@@ -304,6 +322,8 @@ class Join:
         if found is None:
             return None
         join, is_first = found
+        if is_first:
+            join._iterations += 1
         if not is_first or join._fused or join._state is not _State.TRAINING:
             return None
         beat = torch.ones(1, device=join._device)
