@@ -94,13 +94,13 @@ def packages() -> list[str]:
 def _declared(package: str) -> list[str]:
     """The distribution names in ``[project] dependencies`` of one package."""
     text = (PACKAGES / package / "pyproject.toml").read_text()
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # Python 3.10: the list is one flat array of strings
+
+        requirements = tomllib.loads(text)["project"].get("dependencies", [])
+    else:  # no tomllib: the list is one flat array of strings
         match = re.search(r"^dependencies\s*=\s*\[(.*?)\]", text, re.MULTILINE | re.DOTALL)
         requirements = re.findall(r"\"([^\"]+)\"", match.group(1)) if match else []
-    else:
-        requirements = tomllib.loads(text)["project"].get("dependencies", [])
     return [re.split(r"[\s<>=!~;\[@]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements]
 
 
