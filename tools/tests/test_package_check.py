@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import tarfile
 from pathlib import Path
 
@@ -45,3 +46,13 @@ def test_relative_readme_links_are_reported(tmp_path: Path) -> None:
 def test_released_readmes_have_only_absolute_links() -> None:
     for readme in sorted((package_check.ROOT / "packages").glob("*/README.md")):
         assert package_check.readme_problems(readme.parent) == []
+
+
+def test_ci_runs_the_lowest_torch_that_every_package_declares() -> None:
+    declared = {
+        p.parent.name: re.findall(r'"torch>=([\d.]+)"', p.read_text())
+        for p in (package_check.ROOT / "packages").glob("*/pyproject.toml")
+    }
+    assert set(map(tuple, declared.values())) == {("2.4",)}, declared
+    ci = (package_check.ROOT / ".github" / "workflows" / "ci.yml").read_text()
+    assert "torch==2.4.1 --index-url https://download.pytorch.org/whl/cpu" in ci
