@@ -3,6 +3,7 @@
 
     python3 tools/dev.py demo [ARGS...]   # the demo (ARGS go to tools/demo.py)
     python3 tools/dev.py test [STEP...]   # every check, or the steps whose titles contain STEP
+                                          # (--serial: one step at a time, output streamed)
     python3 tools/dev.py wheels [DIR]     # a wheel of every package in DIR (default dist/wheels)
     python3 tools/dev.py docs [ARGS...]   # serve the documentation (mkdocs serve ARGS)
     python3 tools/dev.py bench [ARGS...]  # ours against torch's (not a test: CI times nothing)
@@ -30,6 +31,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import venv
 from collections.abc import Callable
@@ -297,37 +299,79 @@ class Tally:
             self.reasons[reason] = self.reasons.get(reason, 0) + int(count)
 
 
-def test(selected: list[str]) -> int:
+def _run_step(step: Step, stream: bool, lock: threading.Lock) -> tuple[str, float, str]:
+    """Run one step; its verdict, seconds and output. Unless ``stream``, print its output when done."""
+    start = time.monotonic()
+    if step.env is None and shutil.which(step.args[0]) is None:
+        reason = f"{step.args[0]} not found on PATH (install Node.js to lint the workflows)"
+        with lock:
+            print(f"\n{step.title}: skipped: {reason}", flush=True)
+        return f"skipped: {reason}", 0.0, ""
+    cmd = [*([str(ensure(step.env))] if step.env else []), *step.args]
+    if stream:
+        code, output = _run(cmd, cwd=step.cwd)
+    else:
+        with lock:
+            print(f"[start] {step.title}", flush=True)
+        proc = subprocess.run(
+            cmd, cwd=step.cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        code, output = proc.returncode, proc.stdout
+    verdict = "ok" if code == 0 else f"FAILED (exit {code})"
+    if step.pytest and code == 5:
+        verdict = "FAILED (no tests were collected)"
+    seconds = time.monotonic() - start
+    if not stream:
+        with lock:
+            print(
+                f"\n$ {' '.join(cmd)}\n{output}[done] {step.title}: {verdict} ({seconds:.0f} s)", flush=True
+            )
+    return verdict, seconds, output
+
+
+def test(args: list[str]) -> int:
+    """Run the steps (all, or those whose titles contain a word of ``args``) and summarize them.
+
+    Two lanes run side by side: the test suites (multi-process, one at a
+    time) and every other check; ``--serial`` runs one step at a time and
+    streams its output.
+    """
+    serial = "--serial" in args
+    selected = [a for a in args if a != "--serial"]
     chosen = [s for s in steps() if not selected or any(word in s.title for word in selected)]
     if not chosen:
         print("no step's title contains " + " or ".join(map(repr, selected)))
         return 2
     for name in dict.fromkeys(s.env for s in chosen if s.env):  # set up first, a line per step
         ensure(name)
-    tally = Tally()
-    report: list[tuple[str, str, float]] = []
+    lanes: dict[bool, list[Step]] = {}
     for step in chosen:
-        start = time.monotonic()
-        if step.env is None and shutil.which(step.args[0]) is None:
-            reason = f"{step.args[0]} not found on PATH (install Node.js to lint the workflows)"
-            print(f"\n{step.title}: skipped: {reason}", flush=True)
-            report.append((step.title, f"skipped: {reason}", 0.0))
-            continue
-        program = [str(ensure(step.env))] if step.env else []
-        code, output = _run([*program, *step.args], cwd=step.cwd)
+        lanes.setdefault(step.pytest and not serial and step.env != "check", []).append(step)
+    results: dict[str, tuple[str, float, str]] = {}
+    lock = threading.Lock()
+
+    def run_lane(lane: list[Step]) -> None:
+        for step in lane:
+            results[step.title] = _run_step(step, serial, lock)
+
+    threads = [threading.Thread(target=run_lane, args=(lane,)) for lane in lanes.values()]
+    for thread in threads:
+        thread.start()
+        if serial:
+            thread.join()
+    for thread in threads:
+        thread.join()
+    tally = Tally()
+    print()
+    for step in chosen:
+        verdict, seconds, output = results[step.title]
         if step.pytest:
             tally.add(output)
-        verdict = "ok" if code == 0 else f"FAILED (exit {code})"
-        if step.pytest and code == 5:
-            verdict = "FAILED (no tests were collected)"
-        report.append((step.title, verdict, time.monotonic() - start))
-    print()
-    for title, verdict, seconds in report:
-        print(f"{title:48} {verdict:20} {seconds:6.1f} s")
+        print(f"{step.title:48} {verdict:20} {seconds:6.1f} s")
     print(f"tests: {tally.passed} passed, {tally.failed} failed, {tally.skipped} skipped")
     for reason, count in sorted(tally.reasons.items()):
         print(f"  {count} skipped: {reason}")
-    return 0 if all(verdict == "ok" or verdict.startswith("skipped") for _, verdict, _ in report) else 1
+    return 0 if all(v == "ok" or v.startswith("skipped") for v, _, _ in results.values()) else 1
 
 
 def main(argv: list[str]) -> int:

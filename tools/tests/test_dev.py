@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import dev
@@ -54,3 +55,19 @@ def test_every_package_has_its_unit_test_step() -> None:
     for package in dev.packages():
         assert f"unit tests: {package}" in titles
     assert os.path.isdir(dev.ROOT / "tools" / "tests")
+
+
+def test_test_suites_and_other_checks_run_side_by_side(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite = dev.Step("a suite", None, ("sleep", "2"), pytest=True)
+    check = dev.Step("a check", None, ("sleep", "2"))
+    monkeypatch.setattr(dev, "steps", lambda: [suite, check])
+    start = time.monotonic()
+    assert dev.test([]) == 0
+    assert time.monotonic() - start < 3.5
+    start = time.monotonic()
+    assert dev.test(["--serial"]) == 0
+    assert time.monotonic() - start >= 4
+    out = capsys.readouterr().out
+    assert "a suite" in out and "a check" in out
