@@ -189,15 +189,15 @@ def ensure(name: str) -> Path:
 def _run(cmd: list[str], cwd: Path = ROOT) -> tuple[int, str]:
     """Run a command, echo its output as it comes, and return code and output."""
     print(f"\n$ {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert proc.stdout is not None
     lines = []
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        lines.append(line)
-    return proc.wait(), "".join(lines)
+    with subprocess.Popen(
+        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            lines.append(line)
+    return proc.returncode, "".join(lines)
 
 
 def _run_here(cmd: list[str]) -> int:
