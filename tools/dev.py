@@ -11,7 +11,7 @@
 Needs only Python 3.10+. Environments live in .venvs/ and are made on first
 use, then reused until what they were made from changes:
 
-    .venvs/torch            torch (pinned by tools/constraints.txt) and numpy, once
+    .venvs/torch            torch (pinned by tools/constraints.txt), numpy and hatchling, once
     .venvs/unit-<package>   over torch: the package, the siblings it declares, pytest
     .venvs/run              over torch: every package, pytest, rich, matplotlib
     .venvs/check            over run: mypy, ruff, build, twine, mkdocs, ...
@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VENVS = ROOT / ".venvs"
 PACKAGES = ROOT / "packages"
 
+BUILD_BACKEND = ("hatchling>=1.26", "editables>=0.5")
 TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
 CHECK_TOOLS = (
     "mypy==2.4.1",
@@ -121,7 +122,8 @@ def siblings(package: str) -> list[str]:
 
 def environments() -> dict[str, Env]:
     """Every environment the commands use, by name."""
-    envs = [Env("torch", (), ("torch", "numpy"))]
+    # hatchling: the packages' build backend, so editable installs need no isolated build each.
+    envs = [Env("torch", (), ("torch", "numpy", *BUILD_BACKEND))]
     envs += [Env(f"unit-{p}", ("torch",), TEST_TOOLS, tuple(siblings(p))) for p in packages()]
     envs += [Env("run", ("torch",), (*TEST_TOOLS, "rich>=13", "matplotlib>=3.8"), tuple(packages()))]
     envs += [Env("check", ("torch", "run"), CHECK_TOOLS)]
@@ -152,12 +154,27 @@ def _stamp(env: Env, envs: dict[str, Env]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
+_ENV_LOCKS: dict[str, threading.Lock] = {}
+_ENV_LOCKS_GUARD = threading.Lock()
+
+
 def ensure(name: str) -> Path:
-    """Make environment ``name`` (and those it is over) if missing or stale; return its python."""
+    """Make environment ``name`` (and those it is over) if missing or stale; return its python.
+
+    Safe to call from several threads (the lanes of ``test``): each is made once.
+    """
     envs = environments()
     env = envs[name]
     for under in env.over:
         ensure(under)
+    with _ENV_LOCKS_GUARD:
+        lock = _ENV_LOCKS.setdefault(name, threading.Lock())
+    with lock:
+        return _make(env, envs)
+
+
+def _make(env: Env, envs: dict[str, Env]) -> Path:
+    """Make one environment unless its stamp shows it up to date; its python."""
     python = bin_path(env.path, "python")
     stamp_file = env.path / "dev-stamp.txt"
     stamp = _stamp(env, envs)
@@ -173,6 +190,8 @@ def ensure(name: str) -> Path:
         lines = [f"import site; site.addsitedir({str(site_packages(envs[o].path))!r})" for o in env.over]
         (site_packages(env.path) / "_dev_layers.pth").write_text("\n".join(lines) + "\n")
     cmd = [str(python), "-m", "pip", "install", *env.requirements]
+    if env.editable:
+        cmd.append("--no-build-isolation")
     for package in env.editable:
         cmd += ["-e", str(PACKAGES / package)]
     result = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
