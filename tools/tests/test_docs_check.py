@@ -49,3 +49,12 @@ def test_the_readmes_and_docs_have_examples() -> None:
     sources = docs_check.sources()
     assert docs_check.ROOT / "packages" / "tensorpipe-backend" / "README.md" in sources
     assert sum(len(docs_check.examples(s)) for s in sources) >= 6
+
+
+def test_the_security_page_shows_the_readme_section_when_there_is_one() -> None:
+    import mkdocs_hooks
+
+    readme = "# pkg\n\nintro\n\n## Security\n\n**Threat model.** text\n\nmore\n\n## Tests\n\nrun\n"
+    assert mkdocs_hooks.readme_section(readme, "Security") == "**Threat model.** text\n\nmore\n"
+    assert mkdocs_hooks.readme_section("# pkg\n\n## Tests\n", "Security") is None
+    assert mkdocs_hooks.readme_section("## Security\nlast\n", "Security") == "last\n"
