@@ -252,7 +252,9 @@ def build_wheels(python: Path, out: Path) -> int:
     for package in packages():
         for old in out.glob(f"{package.replace('-', '_')}-*.whl"):
             old.unlink()
-        cmd = [str(python), "-m", "build", "--wheel", "--outdir", str(out), str(PACKAGES / package)]
+        # --no-isolation: the build backend is in .venvs/torch, which every environment sees.
+        cmd = [str(python), "-m", "build", "--no-isolation", "--wheel", "--outdir", str(out)]
+        cmd.append(str(PACKAGES / package))
         result = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if result.returncode != 0:
             print(result.stdout)
