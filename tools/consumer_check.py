@@ -1,21 +1,23 @@
 """Type-check a downstream file against the packages as users install them.
 
 Builds a wheel of every package, installs the wheels (not the sources) into a
-fresh virtual environment in .cache/consumer, and runs mypy --strict there on
+fresh virtual environment in .cache/consumer that sees only torch (from
+.venvs/torch), and runs mypy --strict there on
 tools/consumer/typed_consumer.py, from a folder outside the source tree.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import venv
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dev
+
+ROOT = dev.ROOT
 CACHE = ROOT / ".cache" / "consumer"
 MYPY = "mypy==2.4.1"
 
@@ -23,15 +25,9 @@ MYPY = "mypy==2.4.1"
 def main() -> int:
     wheels = CACHE / "wheels"
     shutil.rmtree(wheels, ignore_errors=True)
-    packages = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml"))
-    for package in packages:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(package)],
-            check=True,
-        )
-    env_dir = CACHE / "venv"
-    venv.create(env_dir, with_pip=True, clear=True)
-    python = env_dir / ("Scripts" if os.name == "nt" else "bin") / "python"
+    if dev.build_wheels(Path(sys.executable), wheels) != 0:
+        return 1
+    python = dev.torch_only_env(CACHE / "venv")
     built = sorted(str(w) for w in wheels.glob("*.whl"))
     print("installing " + ", ".join(Path(w).name for w in built), flush=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", *built, MYPY], check=True)

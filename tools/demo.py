@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -52,6 +53,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error(f"--nproc {args.nproc}: need at least one rank")
+    problem = device_problem(args.device, args.backend, args.nproc)
+    if problem is not None:  # one sentence now rather than a traceback from every rank later
+        parser.exit(2, f"demo: {problem}\n")
 
     console = Console()
     console.print(
@@ -117,6 +121,23 @@ def main(argv: list[str]) -> int:
                 return 1
             results = read_results(Path(result_dir), args.nproc)
     return summarize(console, results, joined)
+
+
+def device_problem(device: str, backend: str, nproc: int) -> str | None:
+    """Why the ranks could not run on ``device`` over ``backend``, or None if they can."""
+    if backend == "nccl" and device != "cuda":
+        return "--backend nccl runs on CUDA devices only: add --device cuda, or use --backend gloo"
+    if device == "cuda" and not torch.cuda.is_available():
+        built = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return f"--device cuda: no usable CUDA device (torch {torch.__version__}, {built}); use --device cpu"
+    if backend == "nccl" and not dist.is_nccl_available():
+        return f"--backend nccl: torch {torch.__version__} was built without NCCL; use --backend gloo"
+    if backend == "nccl" and torch.cuda.device_count() < nproc:
+        return (
+            f"--backend nccl needs a CUDA device per rank: --nproc {nproc}, but "
+            f"{torch.cuda.device_count()} devices; lower --nproc or use --backend gloo"
+        )
+    return None
 
 
 def summarize(console: Console, results: list[dict[str, Any]], joined: list[int]) -> int:

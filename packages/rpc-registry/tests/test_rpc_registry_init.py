@@ -75,8 +75,11 @@ def test_init_rpc_rejects_non_positive_world_size() -> None:
 def test_init_rpc_without_installed_backend_says_which_to_install() -> None:
     if backend_registered("TENSORPIPE"):
         pytest.skip("a TENSORPIPE backend is installed in this environment")
-    with pytest.raises(RuntimeError, match=r"pip install tensorpipe-backend"):
+    with pytest.raises(RuntimeError, match=r"pip install tensorpipe-backend") as raised:
         init_rpc("w0", rank=0, world_size=1)
+    # PyPI, a checkout, and where the other ways are written down
+    assert "pip install ./packages/rpc-registry ./packages/tensorpipe-backend" in str(raised.value)
+    assert "#install" in str(raised.value)
 
 
 def test_init_rpc_rejects_options_no_backend_builds() -> None:

@@ -28,7 +28,7 @@ from torch.distributed.distributed_c10d import Store
 from torch.futures import Future
 
 from . import rref as _rref
-from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
+from .constants import DEFAULT_SHUTDOWN_TIMEOUT, INSTALL_DEFAULT_BACKEND, UNSET_RPC_TIMEOUT
 from .functions import is_async_execution
 from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
 from .registry import _REGISTRY, BackendType, construct_rpc_backend_options, init_backend
@@ -589,8 +589,8 @@ def _choose_backend(backend: BackendType | None, options: RpcBackendOptions | No
     if default is None:
         raise RuntimeError(
             "init_rpc: backend=None selects the default backend TENSORPIPE, which is not "
-            "installed; `pip install tensorpipe-backend`, or pass backend=BackendType.<NAME> "
-            "of a backend registered with register_backend()"
+            f"installed; install it with {INSTALL_DEFAULT_BACKEND}, or pass "
+            "backend=BackendType.<NAME> of a backend registered with register_backend()"
         )
     return default
 

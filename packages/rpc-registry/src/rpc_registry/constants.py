@@ -18,3 +18,10 @@ UNSET_RPC_TIMEOUT: Final = -1.0
 
 ENTRY_POINT_GROUP: Final = "rpc_registry.backends"
 """Entry-point group through which installed distributions provide backends."""
+
+INSTALL_DEFAULT_BACKEND: Final = (
+    "`pip install tensorpipe-backend` (from a checkout: "
+    "`pip install ./packages/rpc-registry ./packages/tensorpipe-backend`; other ways: "
+    "https://github.com/uneven-joined/uneven-joined#install)"
+)
+"""How to install the default backend, TENSORPIPE, as error messages say it."""

@@ -22,7 +22,12 @@ from typing import Any
 
 from typing_extensions import final
 
-from .constants import DEFAULT_INIT_METHOD, DEFAULT_RPC_TIMEOUT_SEC, ENTRY_POINT_GROUP
+from .constants import (
+    DEFAULT_INIT_METHOD,
+    DEFAULT_RPC_TIMEOUT_SEC,
+    ENTRY_POINT_GROUP,
+    INSTALL_DEFAULT_BACKEND,
+)
 from .protocols import (
     BackendPlugin,
     ConstructRpcBackendOptionsHandler,
@@ -128,7 +133,7 @@ def _member_by_name(name: str) -> BackendType:
 def _unknown_backend_message(name: str) -> str:
     known = ", ".join(m.name for m in _REGISTRY.members()) or "none"
     hint = (
-        "install it with `pip install tensorpipe-backend`"
+        f"install it with {INSTALL_DEFAULT_BACKEND}"
         if name == "TENSORPIPE"
         else "install the distribution that provides it, or call register_backend()"
     )

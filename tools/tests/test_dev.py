@@ -1,0 +1,73 @@
+"""tools/dev.py: environments follow declared dependencies; the summary counts what ran and what did not."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import dev
+import pytest
+
+PYTEST_OUTPUT = """\
+tests/test_a.py ..s.
+=========================== short test summary info ============================
+SKIPPED [2] tests/test_a.py:12: needs 2 CUDA devices
+SKIPPED [1] tests/test_b.py:40: needs NCCL
+============= 1 failed, 7 passed, 3 skipped, 1 error in 4.20s =============
+"""
+
+
+def test_unit_environment_holds_the_package_and_the_siblings_it_declares() -> None:
+    assert dev.siblings("join-core") == ["join-core"]
+    assert dev.siblings("ddp-join") == ["ddp-join", "join-core"]
+    assert dev.siblings("tensorpipe-backend") == ["rpc-registry", "tensorpipe-backend"]
+    envs = dev.environments()
+    assert envs["unit-ddp-join"].editable == ("ddp-join", "join-core")
+    assert all(e.over[:1] == ("torch",) for name, e in envs.items() if name != "torch")
+
+
+def test_tally_sums_counts_and_keeps_skip_reasons() -> None:
+    tally = dev.Tally()
+    tally.add(PYTEST_OUTPUT)
+    tally.add(PYTEST_OUTPUT)
+    assert (tally.passed, tally.failed, tally.skipped) == (14, 4, 6)
+    assert tally.reasons == {"needs 2 CUDA devices": 4, "needs NCCL": 2}
+
+
+def test_workflow_lint_without_node_is_skipped_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no node here
+    assert dev.test(["workflows"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: node not found on PATH (install Node.js" in out
+    assert "FAILED" not in out
+
+
+def test_test_names_an_unknown_step(capsys: pytest.CaptureFixture[str]) -> None:
+    assert dev.test(["no such step"]) == 2
+    assert "no step's title contains 'no such step'" in capsys.readouterr().out
+
+
+def test_every_package_has_its_unit_test_step() -> None:
+    titles = [s.title for s in dev.steps()]
+    for package in dev.packages():
+        assert f"unit tests: {package}" in titles
+    assert os.path.isdir(dev.ROOT / "tools" / "tests")
+
+
+def test_test_suites_and_other_checks_run_side_by_side(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite = dev.Step("a suite", None, ("sleep", "2"), pytest=True)
+    check = dev.Step("a check", None, ("sleep", "2"))
+    monkeypatch.setattr(dev, "steps", lambda: [suite, check])
+    start = time.monotonic()
+    assert dev.test([]) == 0
+    assert time.monotonic() - start < 3.5
+    start = time.monotonic()
+    assert dev.test(["--serial"]) == 0
+    assert time.monotonic() - start >= 4
+    out = capsys.readouterr().out
+    assert "a suite" in out and "a check" in out

@@ -1,0 +1,60 @@
+"""tools/docs_check.py finds every Python example and fails on a broken one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import docs_check
+
+PAGE = """\
+# Title
+
+```python
+print("plain")
+```
+
+```sh
+echo not python
+```
+
+```python
+# torchrun --nproc-per-node 2 example.py
+import os
+assert os.environ["WORLD_SIZE"] == "2"
+```
+"""
+
+
+def test_examples_are_found_with_their_ranks(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(PAGE)
+    found = docs_check.examples(page)
+    assert [(e.line, e.ranks) for e in found] == [(4, 0), (12, 2)]
+    assert found[0].code == 'print("plain")\n'
+
+
+def test_a_failing_example_is_reported(tmp_path: Path) -> None:
+    broken = docs_check.Example(tmp_path / "x.md", 1, "raise SystemExit(3)\n", 0)
+    assert docs_check.run(broken) == "exited 3:\n"
+    assert docs_check.run(docs_check.Example(tmp_path / "x.md", 1, "x = 1\n", 0)) is None
+
+
+def test_a_failing_rank_is_reported(tmp_path: Path) -> None:
+    code = "import os, sys\nsys.exit(int(os.environ['RANK']) * 4)\n"
+    problem = docs_check.run(docs_check.Example(tmp_path / "x.md", 1, code, 2))
+    assert problem is not None and problem.startswith("rank 1 exited 4")
+
+
+def test_the_readmes_and_docs_have_examples() -> None:
+    sources = docs_check.sources()
+    assert docs_check.ROOT / "packages" / "tensorpipe-backend" / "README.md" in sources
+    assert sum(len(docs_check.examples(s)) for s in sources) >= 6
+
+
+def test_the_security_page_shows_the_readme_section_when_there_is_one() -> None:
+    import mkdocs_hooks
+
+    readme = "# pkg\n\nintro\n\n## Security\n\n**Threat model.** text\n\nmore\n\n## Tests\n\nrun\n"
+    assert mkdocs_hooks.readme_section(readme, "Security") == "**Threat model.** text\n\nmore\n"
+    assert mkdocs_hooks.readme_section("# pkg\n\n## Tests\n", "Security") is None
+    assert mkdocs_hooks.readme_section("## Security\nlast\n", "Security") == "last\n"
