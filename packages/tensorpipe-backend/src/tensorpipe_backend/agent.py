@@ -449,7 +449,11 @@ class TensorPipeAgent:
                 return None
             try:
                 conn.write(Kind.REQUEST, msg_id, message.payload, prepared, pending.shm_tokens)
-            except (OSError, FrameError) as exc:
+            except FrameError as exc:  # over a limit, nothing sent: only this call fails
+                if calls.claim(conn, msg_id) is not None:
+                    pending.deliver(ValueError(f"{pending.what} was not sent: {exc}"))
+                return None
+            except OSError as exc:
                 peers.drop(conn, f"sending to it failed ({exc})")
                 return None
         except BaseException:

@@ -131,7 +131,8 @@ class Connection:
         shm_tokens: list[bytes] | None = None,
     ) -> None:
         """Send one frame; ``shm_tokens`` collects the shared-memory files made for it that the
-        reply releases. ``ConnectionError`` once closed."""
+        reply releases. ``ConnectionError`` once closed; :class:`FrameError` for a message over
+        a limit of the format, before any byte of it is sent (the connection stays usable)."""
         if not prepared and len(payload) <= SMALL_PAYLOAD:
             frame = small_frame(kind, msg_id, payload)
             with self.send_lock:
@@ -140,7 +141,10 @@ class Connection:
                 self.sock.sendall(frame)
             return
         shm = self.shm
-        if shm is not None and prepared:
+        if shm is not None and any(desc.nbytes >= SHM_MIN_BYTES for desc, _ in prepared):
+            # Checked before any shared-memory file is made: a message over a limit leaves nothing behind.
+            block = encode_descriptors([desc for desc, _ in prepared])
+            encode_header(kind, msg_id, len(payload), len(prepared), len(block))
             prepared = [
                 (_to_shared_memory(shm, desc, data, shm_tokens), data)
                 if desc.nbytes >= SHM_MIN_BYTES

@@ -10,6 +10,7 @@ it. Every connection starts with the HMAC handshake of
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import struct
@@ -20,19 +21,24 @@ from typing import Final
 
 from rpc_registry import WorkerInfo
 
-from .auth import AuthenticationError, HandshakeStatus, PeerIdentity, client_handshake, server_handshake
+from .auth import AuthenticationError
 from .calls import Calls
 from .connection import Connection
 from .group import WorkerRecord
+from .handshake import HandshakeStatus, PeerIdentity, client_handshake, server_handshake
 from .reader import Readers
-from .transport import close_socket, dial_local, shared_files, tune
+from .transport import close_socket, connection_source, dial_local, shared_files, tune
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Peers"]
 
-_HANDSHAKE_TIMEOUT: Final = 30.0
+_HANDSHAKE_TIMEOUT: Final = 30.0  # for a dial: the peer may be busy starting
+_HANDSHAKE_DEADLINE: Final = (
+    10.0  # for a connection accepted: the whole handshake, however slowly it trickles
+)
 _MAX_HANDSHAKES: Final = 64
+_MAX_HANDSHAKES_PER_SOURCE: Final = 16
 
 
 class Peers:
@@ -72,7 +78,8 @@ class Peers:
         self._on_lost = on_lost
         self.conns: dict[str, Connection] = {}
         self._dialing: set[str] = set()
-        self._handshakes = 0
+        # Sockets accepted and not yet authenticated, oldest first: when: (start, source).
+        self._handshaking: dict[socket.socket, tuple[float, str]] = {}
         self._closed = False
 
     @property
@@ -159,23 +166,54 @@ class Peers:
 
     def accept_loop(self, listener: socket.socket) -> None:
         """Accept connections on ``listener`` until closed; each is authenticated in its own thread,
-        which then reads it."""
+        which then reads it.
+
+        Handshakes in progress are bounded (64, 16 per source address or
+        local user) without refusing anyone: past a bound, the oldest
+        unauthenticated connection (of that source, or of all) is cut, and
+        so is any whose handshake takes longer than 10 s. A member's
+        handshake takes milliseconds, so slow or silent strangers cannot
+        keep it out.
+        """
         while not self._closed:
             try:
-                sock, _ = listener.accept()
+                sock, address = listener.accept()
             except TimeoutError:
+                self._cut_slow_handshakes()
                 continue
             except OSError:
                 if self.closed:
                     return
                 time.sleep(0.05)
                 continue
+            source = connection_source(sock, address)
             with self._lock:
-                if self._handshakes >= _MAX_HANDSHAKES or self.closed:
+                if self.closed:
                     sock.close()
                     continue
-                self._handshakes += 1
+                self._cut_slow_handshakes()
+                same = [s for s, (_, src) in self._handshaking.items() if src == source]
+                if len(same) >= _MAX_HANDSHAKES_PER_SOURCE:
+                    self._cut(same[0], "too many handshakes from one source")
+                elif len(self._handshaking) >= _MAX_HANDSHAKES:
+                    self._cut(next(iter(self._handshaking)), "too many handshakes")
+                self._handshaking[sock] = (time.monotonic(), source)
             self._spawn(self._serve, "serve", sock)
+
+    def _cut_slow_handshakes(self) -> None:
+        with self._lock:
+            expired = time.monotonic() - _HANDSHAKE_DEADLINE
+            for sock, (start, _) in list(self._handshaking.items()):
+                if start > expired:
+                    break  # oldest first
+                self._cut(sock, f"no proof within {_HANDSHAKE_DEADLINE:g} s")
+
+    def _cut(self, sock: socket.socket, why: str) -> None:
+        """End an unauthenticated handshake (hold ``lock``); its thread sees the socket shut."""
+        _, source = self._handshaking.pop(sock)
+        logger.info("%s: cut an unauthenticated connection from %s: %s", self._me.name, source, why)
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # not closed here: its thread still uses the descriptor
 
     def _serve(self, sock: socket.socket) -> None:
         conn: list[Connection] = []
@@ -185,7 +223,9 @@ class Peers:
             if record is None or record.rank != peer.rank:
                 raise AuthenticationError(f"{peer} is not a member of the group")
             with self._lock:
-                if self.closed:
+                if self._handshaking.pop(sock, None) is None:
+                    raise AuthenticationError("the handshake was cut (too slow, or too many at once)")
+                if self._closed:
                     raise AuthenticationError("this worker is shutting down")
                 existing = self.conns.get(peer.name)
                 if existing is not None and not existing.closed:
@@ -203,7 +243,7 @@ class Peers:
                 return HandshakeStatus.ACCEPTED
 
         try:
-            sock.settimeout(_HANDSHAKE_TIMEOUT)
+            sock.settimeout(_HANDSHAKE_DEADLINE)
             tune(sock)
             server_handshake(sock, self._secret, PeerIdentity(self._me.name, self._me.id), decide)
         except (OSError, EOFError, struct.error, ValueError) as exc:
@@ -216,7 +256,7 @@ class Peers:
             return
         finally:
             with self._lock:
-                self._handshakes -= 1
+                self._handshaking.pop(sock, None)
         if not conn:
             close_socket(sock)
             return

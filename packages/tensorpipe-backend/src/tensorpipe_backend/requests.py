@@ -177,9 +177,13 @@ class Requests:
                         prepare_tensor(t, reverse, conn.peer.name, is_request=False) for t in message.tensors
                     ]
                 conn.write(Kind.REPLY, msg_id, message.payload, prepared)
-            except (OSError, FrameError):
+            except OSError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reported to the caller
+                if isinstance(exc, FrameError):  # over a limit, nothing sent: the caller is told below
+                    logger.warning(
+                        "%s: the reply %d to %s was not sent: %s", self._me, msg_id, conn.peer.name, exc
+                    )
                 conn.write(Kind.ERROR, msg_id, f"{type(exc).__name__}: {exc}".encode(), [])
         except (OSError, FrameError) as exc:
             logger.debug("%s: reply %d to %s lost: %s", self._me, msg_id, conn.peer.name, exc)

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DataWait",
     "close_socket",
+    "connection_source",
     "dial_local",
     "local_listener",
     "shared_files",
@@ -107,6 +108,22 @@ def shared_files(mine: WorkerRecord | None, record: WorkerRecord, sock: socket.s
     if local != remote and not ipaddress.ip_address(remote).is_loopback:
         return None
     return SharedFiles()
+
+
+def connection_source(sock: socket.socket, address: object) -> str:
+    """Who opened an accepted connection, before it authenticated: the peer's IP address, or
+    for a Unix socket the peer's user (the kernel's word, ``SO_PEERCRED``)."""
+    if sock.family == socket.AF_UNIX:
+        try:
+            _, uid, _ = _CREDENTIALS.unpack(
+                sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+            )
+        except OSError:
+            return "unix"
+        return f"uid {uid}"
+    if isinstance(address, tuple) and address:
+        return str(address[0])
+    return str(address)
 
 
 class DataWait:

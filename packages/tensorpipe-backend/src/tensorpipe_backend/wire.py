@@ -16,7 +16,10 @@ and received straight into tensors allocated from their descriptors. A
 tensor flagged as shared memory has no bytes in the frame: its data is in a
 file of ``/dev/shm`` named by its token (see :mod:`tensorpipe_backend.shm`). Every
 length and count is checked against the bounds below before anything is
-allocated, so a corrupt or hostile frame is rejected with :class:`FrameError`.
+allocated, so a corrupt or hostile frame is rejected with :class:`FrameError`;
+and memory for a payload is taken as its bytes arrive (a tensor's pages, as
+its bytes are written), so a header announcing more than is sent costs
+nothing.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ _SEND_CHUNK: Final = 1 << 23
 _PEEK_PAYLOAD: Final = 1 << 16
 _PEEK_FLAGS: Final = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
 _READ_BUFFER: Final = 1 << 18
+_GROW_CHUNK: Final = 1 << 20
 
 
 class Kind(enum.IntEnum):
@@ -415,15 +419,22 @@ class FrameReader:
         return header, descriptors, self.read_bytes(size)
 
     def read_bytes(self, size: int) -> bytes:
-        """The next ``size`` bytes."""
+        """The next ``size`` bytes, allocated as they arrive."""
         if size <= len(self._buffer):
             self._fill(size)
             out = bytes(self._view[self._start : self._start + size])
             self._start += size
             return out
-        large = bytearray(size)
-        self.read_into(memoryview(large))
-        return bytes(large)
+        # Memory is taken as bytes arrive (at most twice what arrived, plus 1 MiB): a header
+        # announcing more than its sender sends costs the receiver nothing.
+        chunks = []
+        received = 0
+        while received < size:
+            chunk = bytearray(min(size - received, max(received, _GROW_CHUNK)))
+            self.read_into(memoryview(chunk))
+            chunks.append(chunk)
+            received += len(chunk)
+        return b"".join(chunks)
 
     def read_into(self, view: memoryview) -> None:
         """Fill ``view``: the buffered bytes first, then straight from the socket."""
