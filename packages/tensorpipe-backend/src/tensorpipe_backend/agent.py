@@ -438,7 +438,9 @@ class TensorPipeAgent:
             device_map = self._device_maps.get(to.name, {})
             prepared = [prepare_tensor(t, device_map, to.name, is_request=True) for t in message.tensors]
         deadline = time.monotonic() + timeout if timeout > 0 else None
-        peers = self._live_peers()
+        peers = self._peers
+        if peers is None:
+            raise RuntimeError(f"{self._me.name}: the agent is shut down")
         conn = peers.conns.get(to.name)
         if conn is None or conn.closed:
             conn = peers.connection(to.name, deadline)

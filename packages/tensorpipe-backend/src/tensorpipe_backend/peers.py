@@ -34,9 +34,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["Peers"]
 
 _HANDSHAKE_TIMEOUT: Final = 30.0  # for a dial: the peer may be busy starting
-_HANDSHAKE_DEADLINE: Final = (
-    10.0  # for a connection accepted: the whole handshake, however slowly it trickles
-)
+# For a connection accepted: the whole handshake, however slowly its bytes trickle in.
+_HANDSHAKE_DEADLINE: Final = 10.0
 _MAX_HANDSHAKES: Final = 64
 _MAX_HANDSHAKES_PER_SOURCE: Final = 16
 
@@ -219,12 +218,13 @@ class Peers:
         conn: list[Connection] = []
 
         def decide(peer: PeerIdentity) -> HandshakeStatus:
+            with self._lock:  # authenticated: no longer one of the handshakes that may be cut
+                if self._handshaking.pop(sock, None) is None:
+                    raise AuthenticationError("the handshake was cut (too slow, or too many at once)")
             record = self._record(peer.name)
             if record is None or record.rank != peer.rank:
                 raise AuthenticationError(f"{peer} is not a member of the group")
             with self._lock:
-                if self._handshaking.pop(sock, None) is None:
-                    raise AuthenticationError("the handshake was cut (too slow, or too many at once)")
                 if self._closed:
                     raise AuthenticationError("this worker is shutting down")
                 existing = self.conns.get(peer.name)
