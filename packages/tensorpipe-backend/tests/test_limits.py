@@ -19,7 +19,7 @@ from tpb_workers import TOKEN, address, ask_whoami, free_port, options, pid, ser
 
 from rpc_registry import init_rpc, rpc_async, rpc_sync, shutdown
 from tensorpipe_backend import ensure_registered
-from tensorpipe_backend.handshake import HandshakeStatus, PeerIdentity, client_handshake
+from tensorpipe_backend.auth import HandshakeStatus, PeerIdentity, client_handshake
 from tensorpipe_backend.wire import (
     MAX_NDIM,
     MAX_PAYLOAD_BYTES,

@@ -46,8 +46,7 @@ from tpb_workers import (
 
 from rpc_registry import RRef, WorkerInfo, get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
 from tensorpipe_backend import TensorPipeAgent, ensure_registered, get_current_agent
-from tensorpipe_backend.auth import AuthenticationError
-from tensorpipe_backend.handshake import HandshakeStatus, PeerIdentity, client_handshake
+from tensorpipe_backend.auth import AuthenticationError, HandshakeStatus, PeerIdentity, client_handshake
 from tensorpipe_backend.wire import HEADER, Kind, encode_header
 
 pytestmark = pytest.mark.timeout(60)

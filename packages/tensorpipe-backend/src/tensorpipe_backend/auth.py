@@ -1,17 +1,20 @@
-"""The job's shared secret and the HMAC challenge both ends of a connection pass.
+"""The HMAC challenge both ends of a connection pass before any frame is read.
 
-Both sides send a fresh random nonce; each proves it holds the secret with an
-HMAC over both nonces and its identity, so a recorded exchange cannot be
-replayed. The messages are fixed-size structs (no pickle): a peer that fails
-is disconnected before any frame of it is read.
+Both sides send a fresh random nonce; each proves it holds the job's secret
+(see :mod:`tensorpipe_backend.secret`) with an HMAC over both nonces and its
+identity, so a recorded exchange cannot be replayed. The messages are
+fixed-size structs (no pickle). The server, which anyone who can reach its
+port or its Unix socket may talk to, says nothing about itself before the
+client proved the secret: its name and rank come only with its verdict.
 
 Handshake, server ``S`` and dialing client ``C``::
 
-    S -> C  hello:   magic, version, nonce_s, rank_s, name_s
+    S -> C  hello:   magic, version, nonce_s
     C -> S  proof:   magic, nonce_c, rank_c, name_c, HMAC(secret, "client" nonce_s nonce_c rank_c name_c)
-    S -> C  verdict: status, HMAC(secret, "server" nonce_c nonce_s status rank_s name_s)
+    S -> C  verdict: status, rank_s, name_s, HMAC(secret, "server" nonce_c nonce_s status rank_s name_s)
 
-``S`` closes without a verdict when the proof is wrong.
+``S`` closes without a verdict when the proof is wrong; ``C`` checks the
+verdict's HMAC and that ``S`` is the worker it meant to reach.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import logging
 import secrets
 import socket
 import struct
@@ -30,9 +32,8 @@ from typing import Final
 from .secret import AUTH_TOKEN_ENV
 from .wire import recv_exact
 
-logger = logging.getLogger(__name__)
-
 __all__ = [
+    "HELLO_BYTES",
     "AuthenticationError",
     "HandshakeStatus",
     "PeerIdentity",
@@ -41,12 +42,16 @@ __all__ = [
 ]
 
 _MAGIC: Final = b"TPBA"
-_VERSION: Final = 1
+_VERSION: Final = 2
 _NONCE: Final = 32
 _MAX_NAME: Final = 255
-_HELLO: Final = struct.Struct(f"!4sB{_NONCE}sqB")
+_HELLO: Final = struct.Struct(f"!4sB{_NONCE}s")
 _PROOF: Final = struct.Struct(f"!4s{_NONCE}sqB")
-_VERDICT: Final = struct.Struct("!B32s")
+_VERDICT: Final = struct.Struct("!BqB")
+_MAC: Final = hashlib.sha256().digest_size
+
+HELLO_BYTES: Final = _HELLO.size
+"""Everything the server sends before the client's proof: magic, version and its nonce."""
 
 
 class AuthenticationError(ConnectionError):
@@ -97,18 +102,19 @@ def server_handshake(
 ) -> tuple[PeerIdentity, HandshakeStatus]:
     """Authenticate the client on ``sock`` (the caller sets a socket timeout).
 
-    ``decide`` is called only for an authenticated client. Raises
-    :class:`AuthenticationError` (the caller closes ``sock``) on a wrong
-    proof, or ``EOFError``/``OSError`` on a broken connection.
+    ``decide`` is called only for an authenticated client, and only then
+    does ``me`` leave this worker. Raises :class:`AuthenticationError` (the
+    caller closes ``sock``) on a wrong proof, or ``EOFError``/``OSError`` on
+    a broken connection.
     """
     nonce_s = secrets.token_bytes(_NONCE)
     name_s = _encode_name(me.name)
-    sock.sendall(_HELLO.pack(_MAGIC, _VERSION, nonce_s, me.rank, len(name_s)) + name_s)
+    sock.sendall(_HELLO.pack(_MAGIC, _VERSION, nonce_s))
     magic, nonce_c, rank_c, name_len = _PROOF.unpack(recv_exact(sock, _PROOF.size))
     if magic != _MAGIC:
         raise AuthenticationError(f"bad magic {bytes(magic)!r}: the client does not speak this protocol")
     name_c = _read_name(sock, name_len)
-    mac = bytes(recv_exact(sock, hashlib.sha256().digest_size))
+    mac = bytes(recv_exact(sock, _MAC))
     expected = hmac.new(
         secret, b"client" + nonce_s + nonce_c + _identity_bytes(rank_c, name_c), hashlib.sha256
     ).digest()
@@ -123,7 +129,7 @@ def server_handshake(
         b"server" + nonce_c + nonce_s + bytes([status]) + _identity_bytes(me.rank, me.name),
         hashlib.sha256,
     ).digest()
-    sock.sendall(_VERDICT.pack(int(status), verdict))
+    sock.sendall(_VERDICT.pack(int(status), me.rank, len(name_s)) + name_s + verdict)
     return peer, status
 
 
@@ -136,33 +142,38 @@ def client_handshake(
     secret, is someone else, or closes the connection (its check of our
     proof failed: the two workers hold different secrets).
     """
-    magic, version, nonce_s, rank_s, name_len = _HELLO.unpack(recv_exact(sock, _HELLO.size))
+    magic, version, nonce_s = _HELLO.unpack(recv_exact(sock, _HELLO.size))
     if magic != _MAGIC or version != _VERSION:
-        raise AuthenticationError(f"the server does not speak this protocol (magic {bytes(magic)!r})")
-    name_s = _read_name(sock, name_len)
-    server = PeerIdentity(name_s, rank_s)
-    if expected is not None and server != expected:
-        raise AuthenticationError(f"expected worker {expected.name} (rank {expected.rank}), reached {server}")
+        raise AuthenticationError(
+            f"the server does not speak this protocol (magic {bytes(magic)!r}, version {version}, "
+            f"expected {_VERSION}); run the same tensorpipe-backend version on every worker"
+        )
     nonce_c = secrets.token_bytes(_NONCE)
     name_c = _encode_name(me.name)
     mac = hmac.new(secret, b"client" + nonce_s + nonce_c + _identity_bytes(me.rank, me.name), hashlib.sha256)
     sock.sendall(_PROOF.pack(_MAGIC, nonce_c, me.rank, len(name_c)) + name_c + mac.digest())
+    reached = f"worker {expected.name}" if expected is not None else "the server"
     try:
-        status_byte, verdict = _VERDICT.unpack(recv_exact(sock, _VERDICT.size))
+        status_byte, rank_s, name_len = _VERDICT.unpack(recv_exact(sock, _VERDICT.size))
+        name_s = _read_name(sock, name_len)
+        verdict = bytes(recv_exact(sock, _MAC))
     except EOFError:
         raise AuthenticationError(
-            f"worker {name_s} closed the connection during authentication: it holds a different "
+            f"{reached} closed the connection during authentication: it holds a different "
             f"secret; give every worker the same auth_token or {AUTH_TOKEN_ENV}"
         ) from None
-    try:
-        status = HandshakeStatus(status_byte)
-    except ValueError:
-        raise AuthenticationError(f"worker {name_s} answered with unknown status {status_byte}") from None
     expected_verdict = hmac.new(
         secret,
         b"server" + nonce_c + nonce_s + bytes([status_byte]) + _identity_bytes(rank_s, name_s),
         hashlib.sha256,
     ).digest()
     if not hmac.compare_digest(verdict, expected_verdict):
-        raise AuthenticationError(f"worker {name_s} failed the secret check")
+        raise AuthenticationError(f"{reached} failed the secret check")
+    server = PeerIdentity(name_s, rank_s)
+    if expected is not None and server != expected:
+        raise AuthenticationError(f"expected worker {expected.name} (rank {expected.rank}), reached {server}")
+    try:
+        status = HandshakeStatus(status_byte)
+    except ValueError:
+        raise AuthenticationError(f"worker {name_s} answered with unknown status {status_byte}") from None
     return server, status

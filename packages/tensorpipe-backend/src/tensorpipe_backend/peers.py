@@ -21,11 +21,10 @@ from typing import Final
 
 from rpc_registry import WorkerInfo
 
-from .auth import AuthenticationError
+from .auth import AuthenticationError, HandshakeStatus, PeerIdentity, client_handshake, server_handshake
 from .calls import Calls
 from .connection import Connection
 from .group import WorkerRecord
-from .handshake import HandshakeStatus, PeerIdentity, client_handshake, server_handshake
 from .reader import Readers
 from .transport import close_socket, connection_source, dial_local, shared_files, tune
 
