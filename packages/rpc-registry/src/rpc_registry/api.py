@@ -35,7 +35,7 @@ from .registry import _REGISTRY, BackendType, construct_rpc_backend_options, ini
 from .rendezvous import rendezvous_store
 from .rref import RRef, RRefContext, completed, copy_outcome, fail
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = [
     "get_worker_info",

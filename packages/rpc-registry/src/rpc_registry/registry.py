@@ -31,7 +31,7 @@ from .protocols import (
     RpcBackendOptions,
 )
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = [
     "BackendRegistry",
