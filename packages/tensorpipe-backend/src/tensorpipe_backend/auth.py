@@ -30,7 +30,7 @@ from typing import Final
 from .secret import AUTH_TOKEN_ENV
 from .wire import recv_exact
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = [
     "AuthenticationError",
