@@ -79,12 +79,12 @@ def _diagnostics(raw: object, shown_as: tuple[str, str] = ("", "")) -> list[str]
             continue
         start = diag["range"]["start"] if "range" in diag else _Position(line=-1, character=-1)
         rule = f" ({diag['rule']})" if "rule" in diag else ""
-        file = diag.get("file", "?")
+        file = diag.get("file", "")
         if shown_as[0] and file.startswith(shown_as[0]):
             file = shown_as[1] + file[len(shown_as[0]) :]
         message = diag.get("message", "").replace("\n", "\n      ")
-        where = f"{file}:{start['line'] + 1}:{start['character'] + 1}"
-        lines.append(f"    {where}: {diag.get('severity')}: {message}{rule}")
+        where = f"{file}:{start['line'] + 1}:{start['character'] + 1}: " if file else ""
+        lines.append(f"    {where}{diag.get('severity')}: {message}{rule}")
     return lines
 
 
