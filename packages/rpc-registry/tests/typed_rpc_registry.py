@@ -43,6 +43,25 @@ def check_api() -> None:
     assert_type(get_worker_info(), WorkerInfo)
 
 
+def scale(x: int, *, by: float = 1.0) -> float:
+    return x * by
+
+
+def check_call_arguments() -> None:
+    # args (and no kwargs) are checked against func's parameters; so is a call with neither
+    assert_type(rpc_sync("w1", scale, args=(2,)), float)
+    assert_type(rpc_async("w1", scale, (2,)), Future[float])
+    assert_type(remote("w1", scale, args=(2,)), RRef[float])
+    assert_type(rpc_sync("w1", get_worker_info), WorkerInfo)
+    rpc_sync("w1", scale, args=("2",))  # type: ignore[arg-type]
+    rpc_async("w1", scale, args=(2, 3))  # type: ignore[arg-type]
+    remote("w1", scale)  # type: ignore[arg-type]
+    # with kwargs, only the result's type follows func
+    assert_type(rpc_sync("w1", scale, args=(2,), kwargs={"by": 0.5}), float)
+    assert_type(rpc_async("w1", scale, (2,), {"by": 0.5}), Future[float])
+    assert_type(remote("w1", scale, kwargs={"x": 2}), RRef[float])
+
+
 @async_execution
 def later(x: int) -> Future[int]:
     fut: Future[int] = Future()

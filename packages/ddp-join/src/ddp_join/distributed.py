@@ -228,6 +228,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 )
             process_group = device_mesh.get_group(mesh_dim=0)
         self.device_mesh = device_mesh
+        self.process_group: dist.ProcessGroup
         self.process_group = group = resolve_group(process_group, "DistributedDataParallel")
         self.module: ModuleT = module
         self._params = [p for p in module.parameters() if p.requires_grad]
@@ -236,8 +237,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 "DistributedDataParallel: the module has no parameter that requires a gradient; "
                 "there is nothing to synchronize"
             )
-        self.device = self._check_device(module, device_ids)
-        self.device_type = self.device.type
+        self.device: torch.device = self._check_device(module, device_ids)
+        self.device_type: str = self.device.type
+        self.device_ids: list[int | torch.device] | None
         self.device_ids = list(device_ids) if device_ids is not None else None
         self.output_device = output_device
         self.dim = dim
@@ -251,7 +253,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 stacklevel=2,
             )
         if forward_sync_buffers is not None:
-            self.forward_sync_buffers = forward_sync_buffers
+            self.forward_sync_buffers: bool = forward_sync_buffers
             init_sync_buffers = True
         else:
             self.forward_sync_buffers = init_sync_buffers = broadcast_buffers is not False
@@ -269,7 +271,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self.mixed_precision = mixed_precision
         self._reduce_dtype = _reduce_dtype(mixed_precision, self._params)
         #: False inside ``no_sync()``: gradients accumulate locally.
-        self.require_backward_grad_sync = True
+        self.require_backward_grad_sync: bool = True
         #: Whether forwards broadcast buffers (with ``forward_sync_buffers``).
         self.require_forward_param_sync = True
 

@@ -66,11 +66,11 @@ class UnevenDistributedSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
-        self.epoch = 0
+        self.epoch: int = 0
         usable = len(dataset) - (len(dataset) % num_replicas if drop_last else 0)
         self.total_size = usable
         #: This rank's number of samples.
-        self.num_samples = len(range(rank, usable, num_replicas))
+        self.num_samples: int = len(range(rank, usable, num_replicas))
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:

@@ -63,9 +63,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         **defaults: Any,
     ) -> None:
         self.overlap_with_ddp = overlap_with_ddp
+        self.process_group: dist.ProcessGroup
         self.process_group = group = resolve_group(process_group, "ZeroRedundancyOptimizer")
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank: int = dist.get_rank(group)
+        self.world_size: int = dist.get_world_size(group)
         self.optimizer_class = optimizer_class
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._owner: dict[int, int] = {}  # id(param) -> rank that steps it
@@ -76,7 +77,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for param_group in self.param_groups:
             self._assign(param_group["params"])
-        self.optim = optimizer_class(
+        self.optim: torch.optim.Optimizer = optimizer_class(
             [{**g, "params": self._local_params(g)} for g in self.param_groups], **defaults
         )
         for global_group, local_group in zip(self.param_groups, self.optim.param_groups):

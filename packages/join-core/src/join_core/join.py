@@ -19,7 +19,7 @@ from join_core.joinable import Joinable
 
 __all__ = ["Join", "JoinAbortedError"]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 #: Shadowed iterations after which Join warns once that the skew is large.
 SKEW_WARN_THRESHOLD: Final = 1000

@@ -21,11 +21,12 @@ import traceback
 import types
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, overload
 
 import torch
 from torch.distributed.distributed_c10d import Store
 from torch.futures import Future
+from typing_extensions import TypeVarTuple, Unpack
 
 from . import rref as _rref
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, INSTALL_DEFAULT_BACKEND, UNSET_RPC_TIMEOUT
@@ -35,7 +36,7 @@ from .registry import _REGISTRY, BackendType, construct_rpc_backend_options, ini
 from .rendezvous import rendezvous_store
 from .rref import RRef, RRefContext, completed, copy_outcome, fail
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = [
     "get_worker_info",
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_Ts = TypeVarTuple("_Ts")
 WorkerRef = WorkerInfo | str | int
 
 _NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9_:\-]+")
@@ -704,6 +706,41 @@ def _check_callable(func: object) -> None:
         raise TypeError(f"func={func!r}: must be callable (a function importable by the callee)")
 
 
+# With ``args`` and no ``kwargs``, or neither, type checkers check the
+# arguments against ``func``; with ``kwargs`` they check only ``func``'s result.
+@overload
+def rpc_async(
+    to: WorkerRef,
+    func: Callable[[Unpack[_Ts]], T],
+    args: tuple[Unpack[_Ts]],
+    kwargs: None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Future[T]: ...
+@overload
+def rpc_async(
+    to: WorkerRef,
+    func: Callable[[], T],
+    args: None = None,
+    kwargs: None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Future[T]: ...
+@overload
+def rpc_async(
+    to: WorkerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None,
+    kwargs: dict[str, Any],
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Future[T]: ...
+@overload
+def rpc_async(
+    to: WorkerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    *,
+    kwargs: dict[str, Any],
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Future[T]: ...
 def rpc_async(
     to: WorkerRef,
     func: Callable[..., T],
@@ -723,6 +760,41 @@ def rpc_async(
     return state.request(state.worker(to), request, state.resolve_timeout(timeout))
 
 
+# With ``args`` and no ``kwargs``, or neither, type checkers check the
+# arguments against ``func``; with ``kwargs`` they check only ``func``'s result.
+@overload
+def rpc_sync(
+    to: WorkerRef,
+    func: Callable[[Unpack[_Ts]], T],
+    args: tuple[Unpack[_Ts]],
+    kwargs: None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> T: ...
+@overload
+def rpc_sync(
+    to: WorkerRef,
+    func: Callable[[], T],
+    args: None = None,
+    kwargs: None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> T: ...
+@overload
+def rpc_sync(
+    to: WorkerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None,
+    kwargs: dict[str, Any],
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> T: ...
+@overload
+def rpc_sync(
+    to: WorkerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    *,
+    kwargs: dict[str, Any],
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> T: ...
 def rpc_sync(
     to: WorkerRef,
     func: Callable[..., T],
@@ -738,6 +810,41 @@ def rpc_sync(
     return result
 
 
+# With ``args`` and no ``kwargs``, or neither, type checkers check the
+# arguments against ``func``; with ``kwargs`` they check only ``func``'s result.
+@overload
+def remote(
+    to: WorkerRef,
+    func: Callable[[Unpack[_Ts]], T],
+    args: tuple[Unpack[_Ts]],
+    kwargs: None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef[T]: ...
+@overload
+def remote(
+    to: WorkerRef,
+    func: Callable[[], T],
+    args: None = None,
+    kwargs: None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef[T]: ...
+@overload
+def remote(
+    to: WorkerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None,
+    kwargs: dict[str, Any],
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef[T]: ...
+@overload
+def remote(
+    to: WorkerRef,
+    func: Callable[..., T],
+    args: tuple[Any, ...] | None = None,
+    *,
+    kwargs: dict[str, Any],
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef[T]: ...
 def remote(
     to: WorkerRef,
     func: Callable[..., T],

@@ -36,7 +36,7 @@ from .protocols import (
     RpcBackendOptions,
 )
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = [
     "BackendRegistry",

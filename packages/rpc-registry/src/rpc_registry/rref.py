@@ -29,7 +29,7 @@ from typing_extensions import Protocol
 from .functions import async_execution, is_async_execution
 from .protocols import WorkerInfo
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["RRef"]
 
@@ -114,7 +114,7 @@ class RRefContext:
 
     def __init__(self, runtime: RRefRuntime) -> None:
         self.runtime = runtime
-        self.me = runtime.me
+        self.me: WorkerInfo = runtime.me
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._owned: dict[RRefId, _Owned] = {}

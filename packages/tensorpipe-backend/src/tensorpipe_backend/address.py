@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Final, Protocol
 from urllib.parse import urlparse
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["ADDR_ENV", "check_reachable", "listen_host"]
 

@@ -58,7 +58,7 @@ from .shm import host_identity
 from .transport import local_listener
 from .wire import FrameError, Kind
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["ADDR_ENV", "TensorPipeAgent", "get_current_agent", "prepare_tensor"]
 

@@ -25,7 +25,7 @@ from rpc_registry import Message
 from .connection import Connection
 from .wire import Kind
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["Calls", "Pending", "Reply", "ReplySink", "remote_failure"]
 
@@ -43,9 +43,9 @@ class Pending:
     __slots__ = ("msg_id", "peer", "shm_tokens", "sink")
 
     def __init__(self, sink: ReplySink, msg_id: int, peer: str) -> None:
-        self.sink = sink
-        self.msg_id = msg_id
-        self.peer = peer
+        self.sink: ReplySink = sink
+        self.msg_id: int = msg_id
+        self.peer: str = peer
         self.shm_tokens: list[bytes] = []
 
     def deliver(self, outcome: Message | BaseException) -> None:
@@ -109,10 +109,10 @@ class Calls:
         self._lock = lock
         self._cond = cond
         self._timer = threading.Condition(lock)  # wakes only the deadline thread
-        self.in_flight = 0
-        self.idle_waits = 0  # threads waiting for no call in flight (done() wakes them)
-        self.ids = itertools.count(1)
-        self.closed = False
+        self.in_flight: int = 0
+        self.idle_waits: int = 0  # threads waiting for no call in flight (done() wakes them)
+        self.ids: itertools.count[int] = itertools.count(1)
+        self.closed: bool = False
         self._deadlines: list[tuple[float, int, Connection, int, float]] = []
         self._deadline_seq = itertools.count()
 

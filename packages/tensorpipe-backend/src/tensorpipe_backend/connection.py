@@ -106,18 +106,18 @@ class Connection:
     def __init__(self, peer: WorkerInfo, sock: socket.socket, shm: SharedFiles | None = None) -> None:
         self.peer = peer
         self.sock = sock
-        self.stream = FrameReader(sock)
-        self.send_lock = threading.Lock()
+        self.stream: FrameReader = FrameReader(sock)
+        self.send_lock: threading.Lock = threading.Lock()
         self.batch: list[bytes] = []  # small replies the reader writes in one go (under send_lock)
         self.pending: dict[int, Pending] = {}
         self.closed = False
         self.shm = shm
-        self.role_lock = threading.Lock()
+        self.role_lock: threading.Lock = threading.Lock()
         self.owner: dict[str, object] = {}  # reader.OWNER: the reader token or session that owns the stream
-        self.poller = select.poll()  # used by the stream's owner
+        self.poller: select.poll = select.poll()  # used by the stream's owner
         self.poller.register(sock, select.POLLIN)
-        self.data_wait = DataWait(sock) if DataWait.supported else None
-        self.reader = object()
+        self.data_wait: DataWait | None = DataWait(sock) if DataWait.supported else None
+        self.reader: object = object()
         self.busy = 0
         self.seen = 0
 

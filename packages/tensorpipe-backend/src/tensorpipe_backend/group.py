@@ -26,7 +26,7 @@ from torch.distributed.distributed_c10d import Store
 
 from .options import DeviceMap
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = [
     "WorkerRecord",

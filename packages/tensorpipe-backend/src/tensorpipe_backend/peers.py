@@ -28,7 +28,7 @@ from .group import WorkerRecord
 from .reader import Readers
 from .transport import close_socket, connection_source, dial_local, shared_files, tune
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["Peers"]
 

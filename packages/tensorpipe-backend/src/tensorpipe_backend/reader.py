@@ -28,7 +28,7 @@ from .calls import Calls, Reply, remote_failure
 from .connection import Connection
 from .wire import FrameError, Kind
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["OWNER", "Dispatch", "Readers", "reading"]
 
@@ -39,7 +39,7 @@ _WATCH_TICK: Final = 0.005
 _WATCH_IDLE_TICKS: Final = 200
 _WAIT_TICK: Final = 1.0  # a reader waiting for data checks this often whether its connection closed
 
-reading = threading.local()
+reading: threading.local = threading.local()
 """``reading.reading``: (connection, reader token) while a reader thread processes a frame."""
 
 

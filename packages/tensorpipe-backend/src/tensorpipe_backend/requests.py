@@ -28,7 +28,7 @@ from .options import DeviceMap
 from .reader import reading
 from .wire import FrameError, Kind, small_frame
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["Requests"]
 

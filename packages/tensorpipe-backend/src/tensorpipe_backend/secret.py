@@ -43,7 +43,7 @@ from typing import Final
 
 from torch.distributed.distributed_c10d import Store
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["AUTH_TOKEN_ENV", "INSECURE_SECRET_KEY", "SECRET_FILE_KEY", "resolve_secret", "secret_dir"]
 

@@ -25,7 +25,7 @@ from typing import Final
 from .group import WorkerRecord
 from .shm import SharedFiles
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = [
     "DataWait",
