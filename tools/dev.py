@@ -291,7 +291,7 @@ def steps() -> list[Step]:
         Step("tools tests", "check", (*pytest_args, "tools/tests"), pytest=True),
         Step("packages (build, twine check, wheel contents)", "check", ("tools/package_check.py",)),
         Step("install one package alone (clean venv)", "check", ("tools/install_check.py",)),
-        Step("consumer type check (built wheels)", "check", ("tools/consumer_check.py",)),
+        Step("consumer type check (built wheels; mypy, pyright)", "check", ("tools/consumer_check.py",)),
         Step("docs (mkdocs build --strict, every example run)", "check", ("tools/docs_check.py",)),
     ]
     if (ROOT / "integration_tests").is_dir():
