@@ -97,6 +97,13 @@ class Join:
         throw_on_early_termination: bool = False,
         **kwargs: Any,
     ) -> None:
+        given: object = joinables  # callers without type checking pass anything
+        if not isinstance(given, (list, tuple)):
+            hint = "Join([model])" if isinstance(given, Joinable) else "Join([model, optimizer])"
+            raise TypeError(
+                f"Join(joinables={given!r:.80}): expected a list of Joinables, "
+                f"got {type(given).__name__}; pass them in a list, e.g. {hint}"
+            )
         if len(joinables) == 0:
             raise ValueError("Join(joinables=[]): the join context manager requires at least one joinable")
         for index, joinable in enumerate(joinables):
@@ -155,7 +162,9 @@ class Join:
             if exc is None:
                 self._state = _State.JOINED
                 self._shadow_until_all_joined()
-            elif not self._done and isinstance(exc, Exception) and not isinstance(exc, dist.DistError):
+            elif not self._done and not isinstance(exc, dist.DistError):
+                # A KeyboardInterrupt or SystemExit is news for the others just
+                # as an Exception is; this rank re-raises its own all the same.
                 self._abort(exc)
         finally:
             with _registry_lock:
@@ -206,7 +215,7 @@ class Join:
             )
         return self._last_total
 
-    def _abort(self, exc: Exception) -> None:
+    def _abort(self, exc: BaseException) -> None:
         """Tell the other ranks this one failed, within ABORT_TIMEOUT.
 
         The hooks' collectives run on a helper thread so that a peer that
@@ -226,7 +235,7 @@ class Join:
                 else:
                     # The failing rank's signal outweighs every training rank's.
                     self._beat(ABORT_TIMEOUT)
-                self._agree_on_abort(f"{type(exc).__name__}: {exc}")
+                self._agree_on_abort(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             except Exception as failure:  # noqa: BLE001 - the original exception matters more
                 logger.error("rank %d could not tell the other ranks that it failed: %s", self._rank, failure)
             finally:
