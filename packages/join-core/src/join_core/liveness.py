@@ -216,7 +216,8 @@ class LivenessWatchdog:
                     verdict_at = now
                     self._judge(
                         {
-                            self._rank: f"this rank: no answer from the rendezvous store for {now - last_round:.1f} s: {error}"
+                            self._rank: f"this rank: cut off from the rendezvous store for {now - last_round:.1f} s "
+                            f"(this rank's network or the store's host failed): {error}"
                         },
                         set().union(*endpoints.values()),
                         store_port,
