@@ -212,6 +212,8 @@ class LivenessWatchdog:
                 watched = [rank for rank in endpoints if rank not in departed]
                 values = store.multi_get([self._key(rank) for rank in watched]) if watched else []
             except Exception as error:  # noqa: BLE001 - any store failure counts against the store
+                # The call itself may have waited up to the timeout: judge from now.
+                now = time.monotonic()
                 if verdict_at is None and now - last_round > timeout_s:
                     verdict_at = now
                     self._judge(
