@@ -56,6 +56,7 @@ BEATS_PER_TIMEOUT: Final = 5
 ESCALATE_AFTER_BEATS: Final = 2
 
 _LEFT: Final = "left"
+_STORE_HOST: Final = "store"  # in a rank's published endpoints: its process serves the store
 _BEAT_BYTES: Final = 32  # a heartbeat is a short counter; longer values are cut
 _MAX_ENDPOINTS_BYTES: Final = 64 * 1024
 _MAX_ENDPOINTS: Final = 4096
@@ -137,7 +138,8 @@ class LivenessWatchdog:
         store = self._group.get_group_store()
         self._store_port = _store_port(store)
         # Endpoints first: a rank whose heartbeat is seen has published them.
-        store.set(self._endpoints_key(self._rank), _encode(_own_endpoints(self._store_port)))
+        published = _encode(_own_endpoints(self._store_port), _hosts_store(self._store_port))
+        store.set(self._endpoints_key(self._rank), published)
         store.set(self._key(self._rank), "0")
         self._thread.start()
 
@@ -183,6 +185,7 @@ class LivenessWatchdog:
     def _watch(self, store: Store, store_port: int | None) -> None:
         others = [rank for rank in range(self._world_size) if rank != self._rank]
         endpoints: dict[int, set[_Endpoint]] = {}
+        store_hosts: set[int] = set()  # ranks whose process serves the store
         last: dict[int, bytes] = {}
         moved: dict[int, float] = {}  # rank -> when its counter last moved
         departed: set[int] = set()
@@ -191,7 +194,10 @@ class LivenessWatchdog:
         last_round = time.monotonic()
         verdict_at: float | None = None
         escalated = False
-        while not self._stop.wait(self._interval):
+        store_lost = False
+        first = True  # the first round at once: learn who serves the store early
+        while first or not self._stop.wait(self._interval):
+            first = False
             now = time.monotonic()
             if (
                 verdict_at is not None
@@ -201,13 +207,17 @@ class LivenessWatchdog:
                 # Still inside the Join: blocked on a survivor that already left it.
                 escalated = True
                 _shut_down(set().union(*endpoints.values()), store_port)
+            if store_lost:
+                continue  # nothing more to learn from it, and every call would fail again
             try:
                 beat += 1
                 store.set(self._key(self._rank), str(beat))
                 for rank in others:
                     if rank not in endpoints and store.check([self._key(rank)]):
                         # Published before its first beat, so present now.
-                        endpoints[rank] = _decode(store.get(self._endpoints_key(rank)))
+                        endpoints[rank], hosts = _decode(store.get(self._endpoints_key(rank)))
+                        if hosts:
+                            store_hosts.add(rank)
                         moved[rank] = now
                 watched = [rank for rank in endpoints if rank not in departed]
                 values = store.multi_get([self._key(rank) for rank in watched]) if watched else []
@@ -216,14 +226,22 @@ class LivenessWatchdog:
                 now = time.monotonic()
                 if verdict_at is None and now - last_round > timeout_s:
                     verdict_at = now
-                    self._judge(
-                        {
-                            self._rank: f"this rank: cut off from the rendezvous store for {now - last_round:.1f} s "
+                    quiet = now - last_round
+                    if store_hosts:  # most likely the rank that served it is gone
+                        lost = {
+                            rank: f"its rendezvous store has not answered for {quiet:.1f} s: "
+                            f"it died, froze or was cut off ({error})"
+                            for rank in store_hosts
+                        }
+                        peers = set().union(*(endpoints[rank] for rank in store_hosts))
+                    else:
+                        lost = {
+                            self._rank: f"this rank: cut off from the rendezvous store for {quiet:.1f} s "
                             f"(this rank's network or the store's host failed): {error}"
-                        },
-                        set().union(*endpoints.values()),
-                        store_port,
-                    )
+                        }
+                        peers = set().union(*endpoints.values())
+                    self._judge(lost, peers, store_port)
+                    store_lost = True
                 continue
             if now - last_round > timeout_s / 2:
                 # This thread itself was held up (a loaded host, a stopped
@@ -341,16 +359,36 @@ def _shut_down(peers: set[_Endpoint], store_port: int | None) -> None:
     logger.info("Join: shut down %d connection(s) to lost or departed ranks", count)
 
 
-def _encode(endpoints: list[_Endpoint]) -> str:
-    return ";".join(f"{host},{port}" for host, port in endpoints[:_MAX_ENDPOINTS])
+def _hosts_store(store_port: int | None) -> bool:
+    """Whether this process serves the store (has a listener on its port)."""
+    hosts = False
+    for sock in _tcp_sockets():
+        try:
+            if not hosts and store_port is not None and sock.getsockname()[1] == store_port:
+                try:
+                    sock.getpeername()
+                except OSError:
+                    hosts = True  # not connected: the listener
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return hosts
 
 
-def _decode(raw: bytes) -> set[_Endpoint]:
-    """Parse another rank's published endpoints, skipping anything malformed."""
+def _encode(endpoints: list[_Endpoint], hosts_store: bool) -> str:
+    items = [f"{host},{port}" for host, port in endpoints[:_MAX_ENDPOINTS]]
+    return ";".join([_STORE_HOST, *items] if hosts_store else items)
+
+
+def _decode(raw: bytes) -> tuple[set[_Endpoint], bool]:
+    """Parse another rank's published endpoints, and whether it serves the
+    store, skipping anything malformed."""
     found: set[_Endpoint] = set()
     if len(raw) > _MAX_ENDPOINTS_BYTES:
-        return found
-    for item in raw.decode("ascii", "replace").split(";")[:_MAX_ENDPOINTS]:
+        return found, False
+    items = raw.decode("ascii", "replace").split(";")[: _MAX_ENDPOINTS + 1]
+    for item in items:
         host, _, port = item.partition(",")
         try:
             number = int(port)
@@ -358,4 +396,4 @@ def _decode(raw: bytes) -> set[_Endpoint]:
                 found.add((_normalize(host), number))
         except ValueError:
             continue
-    return found
+    return found, _STORE_HOST in items
