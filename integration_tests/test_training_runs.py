@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from launch import launch, session_alive
+from train_fsdp import EVAL_SAMPLES, evaluate_single_process
 from train_param_server import reference as param_server_reference
-from training_common import read_results, reference_dense
+from training_common import make_model, read_results, reference_dense
 
 HERE = Path(__file__).resolve().parent
 
@@ -125,3 +126,26 @@ def test_a_rank_lost_inside_join_is_named_by_every_rank_within_seconds(how: str)
         told = re.search(r"told ([0-9.]+) s after the last step", e.output)
         assert told is not None and float(told.group(1)) < 10, e.output
     assert not any(session_alive(e.pid) for e in exits)
+
+
+@DEVICES
+def test_fsdp_uneven_training_then_exact_evaluation(device: str, backend: str, tmp_path: Path) -> None:
+    nproc = _ranks(backend, 3)
+    base, extra = 3, 2
+    args = ["--device", device, "--backend", backend, "--base", str(base), "--extra", str(extra)]
+    _run("train_fsdp.py", nproc, [*args, "--result-dir", str(tmp_path)])
+    results = read_results(tmp_path, nproc)
+    assert [len(r["batches"]) for r in results] == [base + r * extra for r in range(nproc)]
+    for other in results[1:]:
+        assert torch.equal(results[0]["params"], other["params"])
+    expected = reference_dense([r["batches"] for r in results], lambda ps: torch.optim.Adam(ps, lr=0.02))
+    torch.testing.assert_close(results[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    # Exact evaluation: each sample on one rank, uneven shares, the single-process metric.
+    assert sum(r["eval_local"] for r in results) == EVAL_SAMPLES
+    assert len({r["eval_local"] for r in results}) > 1 or nproc == 1
+    model = make_model()
+    torch.nn.utils.vector_to_parameters(results[0]["params"], model.parameters())
+    expected_sum, expected_count = evaluate_single_process(model)
+    for result in results:
+        assert result["eval_count"] == expected_count
+        assert result["eval_sum"] == pytest.approx(expected_sum, rel=1e-6)

@@ -6,7 +6,8 @@ Each figure runs ours and torch's alternately over several rounds inside the
 same two processes (127.0.0.1, gloo, CPU), and reports medians. Writes
 bench/results.md and bench/results.png, prints the table, and exits 1 if a
 goal is missed. Also counts, with torch.profiler, the gloo collectives one
-healthy iteration issues with and without Join.
+healthy iteration issues with and without Join. The FSDP2 and ZeRO memory
+figures come from tools/bench_fsdp.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_fsdp import fsdp_figures
 from bench_rpc import rpc_figures
+from bench_shadow import shadow_figures
 from benchlib import Figure, write_results
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -220,6 +223,7 @@ def ddp_figures(rounds: int, quick: bool) -> list[Figure]:
             extra_ours <= 0,
         )
     )
+    figures += shadow_figures(rounds, quick)
     return figures
 
 
@@ -232,6 +236,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ddp-only", action="store_true", help="skip the RPC figures")
     args = parser.parse_args(argv)
     figures = ddp_figures(args.rounds, args.quick)
+    figures += fsdp_figures(args.rounds, args.quick)
     if not args.ddp_only:
         figures += rpc_figures(args.rounds, args.quick)
     table = write_results(figures, args.rounds, ROOT / "bench")

@@ -7,7 +7,12 @@ join_core.Join([model, optimizer]); ranks that run out join and shadow the
 others. At the end every rank must hold the same model, equal to a
 single-process run over the same batches.
 
-    python3 tools/dev.py demo [--nproc N] [--device cpu|cuda] [--backend gloo|nccl]
+With --fsdp every rank instead trains a model sharded with FSDP2's
+fully_shard under Join([FSDPJoinable(model, optimizer)]), each with its own
+number of batches, then evaluates it exactly on a set split by
+UnevenDistributedSampler.
+
+    python3 tools/dev.py demo [--nproc N] [--device cpu|cuda] [--backend gloo|nccl] [--fsdp]
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     parser.add_argument("--base", type=int, default=12, help="batches of rank 0 (default 12)")
     parser.add_argument("--extra", type=int, default=6, help="batches each next rank has more (default 6)")
+    parser.add_argument(
+        "--fsdp", action="store_true", help="train an FSDP2 model, then evaluate it exactly (no coordinator)"
+    )
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error(f"--nproc {args.nproc}: need at least one rank")
@@ -48,7 +56,8 @@ def main(argv: list[str]) -> int:
     console = Console()
     console.print(
         f"[bold]{args.nproc} ranks[/] on {args.device} over {args.backend}; rank r gets "
-        f"{args.base} + {args.extra}*r batches from the coordinator on worker0"
+        f"{args.base} + {args.extra}*r batches "
+        + ("(FSDP2 under Join, then an exact evaluation)" if args.fsdp else "from the coordinator on worker0")
     )
     joined: list[int] = []
     with Progress(
@@ -83,7 +92,7 @@ def main(argv: list[str]) -> int:
 
         with tempfile.TemporaryDirectory() as result_dir:
             exits = launch(
-                ROOT / "integration_tests" / "train_coordinated.py",
+                ROOT / "integration_tests" / ("train_fsdp.py" if args.fsdp else "train_coordinated.py"),
                 args.nproc,
                 [
                     "--device",

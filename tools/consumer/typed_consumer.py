@@ -13,7 +13,7 @@ import ddp_join
 import join_core
 import rpc_registry
 from ddp_join import DistributedDataParallel, GradBucket, ZeroRedundancyOptimizer, allreduce_hook
-from join_core import Join, Joinable, JoinAbortedError, JoinHook
+from join_core import CollectiveMismatchError, Join, Joinable, JoinAbortedError, JoinHook, ShadowCollectives
 from join_core.testing import RanksFailedError, run_ranks
 from rpc_registry import BackendType, BackendValue, RRef, WorkerInfo, backend_registered
 from rpc_registry.functions import async_execution
@@ -95,6 +95,20 @@ def train_ddp(rank: int, world_size: int) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
+def train_shadowed(rank: int, world_size: int) -> float:
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    shadow = ShadowCollectives(process_group=None)
+    assert_type(shadow.join_process_group, dist.ProcessGroup)
+    metric = torch.ones(1)
+    try:
+        with Join([model, shadow]):
+            model(torch.ones(2, 4)).sum().backward()
+            dist.all_reduce(metric)
+    except CollectiveMismatchError as mismatch:
+        assert_type(mismatch, CollectiveMismatchError)
+    return float(metric)
+
+
 def halve(state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     assert_type(bucket.buffer(), torch.Tensor)
     assert_type(bucket.divisor(), int)
@@ -154,6 +168,7 @@ def main() -> None:
     assert_type(join_core.__all__, list[str])
     assert_type(ddp_join.__all__, list[str])
     assert_type(run_ranks(train_ddp, 2), list[list[torch.Tensor]])
+    assert_type(run_ranks(train_shadowed, 2), list[float])
     model = DistributedDataParallel(torch.nn.Linear(4, 1))
     model.register_comm_hook(None, halve)
     use_rpc()

@@ -157,7 +157,7 @@ def test_shutdown_allows_a_new_session(tcp: str) -> None:
 
 
 def test_rank_above_zero_waits_for_the_store_to_listen_then_connects() -> None:
-    from rpc_registry.api import _await_store
+    from rpc_registry.rendezvous import _await_store
 
     port = _free_port()
     listener = socket.socket()
@@ -171,7 +171,7 @@ def test_rank_above_zero_waits_for_the_store_to_listen_then_connects() -> None:
     opener = threading.Thread(target=listen_later)
     opener.start()
     try:
-        _await_store(f"tcp://127.0.0.1:{port}", 1, timeout=20.0)
+        _await_store("127.0.0.1", port, timeout=20.0)
         # It returned because the address accepts connections now, not by giving up.
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
@@ -179,13 +179,25 @@ def test_rank_above_zero_waits_for_the_store_to_listen_then_connects() -> None:
         listener.close()
 
 
-def test_waiting_for_the_store_gives_up_after_its_timeout_and_skips_rank_zero() -> None:
-    from rpc_registry.api import _await_store
+def test_waiting_for_the_store_gives_up_after_its_timeout() -> None:
+    from rpc_registry.rendezvous import _await_store
 
-    url = f"tcp://127.0.0.1:{_free_port()}"  # nothing listens there
     start = time.monotonic()
-    _await_store(url, 0, timeout=20.0)  # rank 0 hosts the store: no wait
-    assert time.monotonic() - start < 10.0
-    start = time.monotonic()
-    _await_store(url, 1, timeout=0.2)
+    _await_store("127.0.0.1", _free_port(), timeout=0.2)  # nothing listens there
     assert time.monotonic() - start >= 0.2
+
+
+def test_init_rpc_names_the_rank_that_never_arrives_within_rpc_timeout(tcp: str) -> None:
+    options = SocketOptions(rpc_timeout=2.0, init_method=tcp)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"waited \d+\.\d s for all 3 workers.*ranks 1, 2 never arrived"):
+        init_rpc("lonely", backend=socket_backend(), rank=0, world_size=3, rpc_backend_options=options)
+    assert time.monotonic() - start < 8.0
+
+
+def test_init_rpc_without_a_store_host_fails_within_rpc_timeout() -> None:
+    options = SocketOptions(rpc_timeout=2.0, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="could not reach the rendezvous store"):
+        init_rpc("orphan", backend=socket_backend(), rank=1, world_size=2, rpc_backend_options=options)
+    assert time.monotonic() - start < 8.0

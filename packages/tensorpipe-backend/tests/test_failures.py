@@ -65,3 +65,10 @@ def test_non_graceful_shutdown_is_local_and_fast() -> None:
     start = time.monotonic()
     shutdown(graceful=False)
     assert time.monotonic() - start < 2.0
+
+
+def test_init_rpc_names_the_missing_worker_within_rpc_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 1 never arrived"):
+        init_rpc("w0", ensure_registered(), 0, 2, options(f"tcp://127.0.0.1:{free_port()}", rpc_timeout=3.0))
+    assert time.monotonic() - start < 8.0

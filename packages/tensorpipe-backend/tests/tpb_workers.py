@@ -334,3 +334,27 @@ def send_cuda_tensor_to(to: str) -> object:
 def describe_device(x: torch.Tensor) -> str:
     """The device a tensor arrived on."""
     return str(x.device)
+
+
+def share_then_die(sent: Any) -> None:
+    """Put two tensors in shared memory (one pooled, one in a file of its own), report, be killed."""
+    from tensorpipe_backend.shm import SharedFiles
+    from tensorpipe_backend.wire import tensor_bytes
+
+    files = SharedFiles()
+    pooled = files.write(tensor_bytes(torch.ones(1 << 18)))
+    while files.write(tensor_bytes(torch.ones(1 << 18)))[1]:
+        pass  # fill the pool until a tensor gets a file of its own
+    sent.put(os.getpid())
+    del pooled
+    time.sleep(60)
+
+
+def serve_and_report(name: str, rank: int, world_size: int, init_method: str, results: Any, go: Any) -> None:
+    """Join a static group, report this process's pid, wait for ``go``, shut down gracefully; report how."""
+    init_rpc(name, backend(), rank, world_size, options(init_method))
+    results.put(("ready", name, os.getpid()))
+    go.wait(60)
+    start = time.monotonic()
+    outcome = _error_text(lambda: shutdown(graceful=True, timeout=30.0))
+    results.put(("done", name, outcome, time.monotonic() - start))

@@ -1,20 +1,28 @@
 """Data-parallel training and a sharded optimizer, correct with uneven inputs.
 
-:class:`DistributedDataParallel` and :class:`ZeroRedundancyOptimizer` are
-Joinables of :mod:`join_core`: train under ``with model.join():`` or
-``join_core.Join([model, optimizer])`` when ranks have different numbers of
-batches.
+:class:`DistributedDataParallel`, :class:`ZeroRedundancyOptimizer` and
+:class:`FSDPJoinable` (for FSDP2 models) are Joinables of :mod:`join_core`:
+train under ``with model.join():`` or ``join_core.Join([model, optimizer])``
+when ranks have different numbers of batches. :class:`UnevenDistributedSampler` splits a dataset with neither
+padding nor duplicates, for exact evaluation under Join.
 """
 
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook, fp16_compress_hook
-from ddp_join.distributed import DistributedDataParallel
+from ddp_join.distributed import DistributedDataParallel, MixedPrecisionConfig
+from ddp_join.fsdp import FSDPJoinable
+from ddp_join.sampler import UnevenDistributedSampler
 from ddp_join.zero import ZeroRedundancyOptimizer
+from ddp_join.zero_hook import hook_with_zero_step
 
 __all__ = [
     "CommHook",
     "DistributedDataParallel",
+    "FSDPJoinable",
     "GradBucket",
+    "MixedPrecisionConfig",
+    "UnevenDistributedSampler",
     "ZeroRedundancyOptimizer",
     "allreduce_hook",
     "fp16_compress_hook",
+    "hook_with_zero_step",
 ]

@@ -51,3 +51,21 @@ def gather_objects(obj: object, dst: int, group: dist.ProcessGroup) -> list[Any]
         return None
     received = [b.cpu() for b in buffers]
     return [pickle.loads(ctypes.string_at(b.data_ptr(), int(s))) for b, s in zip(received, sizes)]
+
+
+def all_gather_bytes(data: bytes, device: torch.device, group: dist.ProcessGroup, limit: int) -> list[bytes]:
+    """Every rank's ``data``, in rank order, on every rank (no pickle: the
+    bytes stay bytes). Every rank raises ``ValueError`` alike when one rank's
+    data is longer than ``limit``, before anything that size is allocated."""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s) for s in sizes]
+    if max(lengths) > limit or min(lengths) < 0:
+        raise ValueError(f"ranks sent {lengths} bytes; at most {limit} are accepted")
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buffers = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in lengths]
+    dist.all_gather(buffers, padded.to(device), group=group)
+    return [bytes(b.cpu()[:n].tolist()) for b, n in zip(buffers, lengths)]

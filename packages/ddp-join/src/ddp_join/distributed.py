@@ -4,24 +4,32 @@ correct under join_core.Join when ranks have uneven inputs."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ddp_join._groups import global_rank, resolve_group
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook
 from join_core import Join, JoinHook
 
-__all__ = ["DistributedDataParallel"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["DistributedDataParallel", "MixedPrecisionConfig"]
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
-#: The first bucket is small so its all-reduce starts early in backward.
+#: With the default bucket size, the first bucket is small so its all-reduce
+#: starts early in backward.
 FIRST_BUCKET_BYTES: Final = 1024 * 1024
+#: The size of a gradient bucket when ``bucket_cap_mb`` is None, as torch's.
+DEFAULT_BUCKET_CAP_MB: Final = 25
 #: Elements each gradient's place in a bucket starts on a multiple of (64 bytes
 #: or more), so copies and reductions over them run on aligned memory.
 ALIGN_ELEMENTS: Final = 16
@@ -31,6 +39,28 @@ _EXACT_COUNT_DTYPES: Final = (torch.float32, torch.float64)
 
 def _aligned(count: int) -> int:
     return -(-count // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+
+
+class MixedPrecisionConfig(Protocol):
+    """What ``DistributedDataParallel(mixed_precision=...)`` reads: any object
+    with these attributes, such as torch's ``MixedPrecision`` dataclasses.
+
+    Only ``reduce_dtype`` is implemented (gradients are reduced in that dtype
+    and cast back); ``param_dtype`` and ``buffer_dtype`` must be None or the
+    module's own dtype (for low-precision compute, use ``torch.autocast``).
+    """
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype of parameters in forward and backward."""
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are all-reduced in."""
+
+    @property
+    def buffer_dtype(self) -> torch.dtype | None:
+        """The dtype of buffers."""
 
 
 @dataclass
@@ -51,6 +81,8 @@ class _Bucket:
     future: torch.futures.Future[torch.Tensor] | None = None
     work: dist.Work | None = None
     reduced: torch.Tensor | None = None
+    # Each .grad is a view into the buffer (gradient_as_bucket_view, same dtype).
+    as_view: bool = False
     grads: torch.Tensor = field(init=False)
     views: list[torch.Tensor] = field(init=False)
 
@@ -92,22 +124,59 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     issues no collective beyond the buckets: the count of ranks still
     training rides in the first bucket.
 
+    The arguments are torch's, in torch's order, with torch's defaults.
+
     Args:
         module: the model replicated on every rank; its parameters must all
             be on one device.
         device_ids: None for CPU modules or ``[i]`` for a module on ``cuda:i``.
         output_device: accepted for compatibility; outputs stay where the
             module puts them.
+        dim: the dimension :meth:`scatter` splits inputs along and
+            :meth:`gather` joins outputs along.
+        broadcast_buffers: deprecated in torch 2.13 (a ``FutureWarning``), use
+            ``forward_sync_buffers``; ``False`` also leaves buffers out of the
+            broadcast at construction. None means True.
+        init_sync: False skips the broadcast of parameters and buffers at
+            construction; every rank must then already hold the same values.
         process_group: the group to train over (default: the world).
-        bucket_cap_mb: the size of a gradient bucket in MiB.
-        broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from
-            one rank before each forward that synchronizes gradients.
+        bucket_cap_mb: the size of a gradient bucket in MiB (None: 25, with a
+            smaller first bucket).
         find_unused_parameters: find the parameters a forward does not use,
             so their buckets need not wait for the end of backward, and leave
             ``.grad`` untouched for parameters no rank used. Either way a
             parameter without a gradient is reduced as zeros; nothing hangs.
+        check_reduction: deprecated in torch and without effect (a
+            ``FutureWarning`` when True).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
-            saving a copy and the memory of one set of gradients.
+            saving a copy and the memory of one set of gradients (not for
+            buckets reduced in another dtype, see ``mixed_precision``).
+        static_graph: the set of parameters used, and how often each one's
+            gradient is accumulated, is the same every iteration. The first
+            synchronizing backward learns both (so reentrant activation
+            checkpointing, even of a parameter used twice, reduces the full
+            gradient); later ones never traverse the autograd graph, and
+            unused parameters behave as with ``find_unused_parameters``.
+        delay_all_reduce_named_params: not supported: must be None.
+        param_to_hook_all_reduce: not supported: must be None.
+        mixed_precision: an object with ``param_dtype``, ``reduce_dtype`` and
+            ``buffer_dtype`` (:class:`MixedPrecisionConfig`); gradients are
+            all-reduced in ``reduce_dtype`` and cast back to the parameters'
+            dtype. ``param_dtype`` and ``buffer_dtype`` must be None or the
+            module's dtype.
+        device_mesh: a 1-D ``DeviceMesh`` whose group to train over, instead
+            of ``process_group``.
+        skip_all_reduce_unused_params: not supported: must be False (unused
+            parameters are reduced as zeros inside their bucket, at no extra
+            collective).
+        bucket_cap_mb_list: the cap of each bucket in MiB, in bucket order
+            (the last repeats); overrides ``bucket_cap_mb``.
+        batched_grad_copy: accepted, without effect: it only tunes kernel
+            launches of torch's reducer.
+        forward_sync_buffers: broadcast buffers (e.g. BatchNorm statistics)
+            from one rank before each forward that synchronizes gradients,
+            and after a Join. None means True. Buffers are still broadcast at
+            construction (unless ``init_sync=False``).
 
     Example::
 
@@ -123,15 +192,42 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     def __init__(
         self,
         module: ModuleT,
-        device_ids: list[int | torch.device] | None = None,
+        device_ids: Sequence[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25,
-        broadcast_buffers: bool = True,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, torch.Tensor]] | None = None,
+        param_to_hook_all_reduce: torch.Tensor | None = None,
+        mixed_precision: MixedPrecisionConfig | None = None,
+        device_mesh: DeviceMesh | None = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
+        _reject_unsupported(
+            delay_all_reduce_named_params, param_to_hook_all_reduce, skip_all_reduce_unused_params
+        )
+        if process_group is not None and device_mesh is not None:
+            raise RuntimeError(
+                "DistributedDataParallel(process_group=..., device_mesh=...): give one of them, not both"
+            )
+        if device_mesh is not None:
+            if device_mesh.ndim != 1:
+                raise RuntimeError(
+                    f"DistributedDataParallel(device_mesh={device_mesh}): only a 1-D mesh is supported; "
+                    "pass device_mesh[dim_name] for the data-parallel dimension"
+                )
+            process_group = device_mesh.get_group(mesh_dim=0)
+        self.device_mesh = device_mesh
         self.process_group = group = resolve_group(process_group, "DistributedDataParallel")
         self.module: ModuleT = module
         self._params = [p for p in module.parameters() if p.requires_grad]
@@ -141,15 +237,41 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 "there is nothing to synchronize"
             )
         self.device = self._check_device(module, device_ids)
-        self.device_ids = device_ids
+        self.device_type = self.device.type
+        self.device_ids = list(device_ids) if device_ids is not None else None
         self.output_device = output_device
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"DistributedDataParallel(bucket_cap_mb={bucket_cap_mb}): must be positive")
-        self.broadcast_buffers = broadcast_buffers
+        self.dim = dim
+        caps = _bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        if broadcast_buffers is not None:
+            warnings.warn(
+                "DistributedDataParallel(broadcast_buffers=...) is deprecated, as in torch: use "
+                "forward_sync_buffers (which, unlike broadcast_buffers=False, still broadcasts "
+                "buffers at construction)",
+                FutureWarning,
+                stacklevel=2,
+            )
+        if forward_sync_buffers is not None:
+            self.forward_sync_buffers = forward_sync_buffers
+            init_sync_buffers = True
+        else:
+            self.forward_sync_buffers = init_sync_buffers = broadcast_buffers is not False
+        if check_reduction:
+            warnings.warn(
+                "DistributedDataParallel(check_reduction=True) is deprecated, as in torch, and has no "
+                "effect: every bucket is reduced even when some parameters get no gradient",
+                FutureWarning,
+                stacklevel=2,
+            )
         self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_grad_copy = batched_grad_copy
+        self.mixed_precision = mixed_precision
+        self._reduce_dtype = _reduce_dtype(mixed_precision, self._params)
         #: False inside ``no_sync()``: gradients accumulate locally.
         self.require_backward_grad_sync = True
+        #: Whether forwards broadcast buffers (with ``forward_sync_buffers``).
+        self.require_forward_param_sync = True
 
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
@@ -159,12 +281,18 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self._comm_state: Any = None
         self._hook_registered = False
         self._used_since_sync = [False] * len(self._params)  # find_unused_parameters, across no_sync
+        # Used flags ride in the metadata: with find_unused_parameters or static_graph.
+        self._flags_in_meta = find_unused_parameters or static_graph
+        # static_graph: how many times each gradient is accumulated per backward; None until learned.
+        self._static_counts: list[int] | None = None
         self._divide_by_initial_world_size = True
         self._buffer_src = 0  # group rank whose buffers the next forward takes
         self._meta_cache: dict[tuple[float, bool, torch.dtype], torch.Tensor] = {}
 
-        self._broadcast_coalesced(list(module.parameters()) + self._buffers_list, global_rank(group, 0))
-        self._buckets = self._make_buckets(int(bucket_cap_mb * 1024 * 1024))
+        if init_sync:
+            synced = list(module.parameters()) + (self._buffers_list if init_sync_buffers else [])
+            self._broadcast_coalesced(synced, global_rank(group, 0))
+        self._buckets = self._make_buckets(caps)
         self._where = {}  # param index -> (bucket, position)
         for bucket in self._buckets:
             for position, param in enumerate(bucket.params):
@@ -178,7 +306,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     # Construction.
 
     @staticmethod
-    def _check_device(module: torch.nn.Module, device_ids: list[int | torch.device] | None) -> torch.device:
+    def _check_device(
+        module: torch.nn.Module, device_ids: Sequence[int | torch.device] | None
+    ) -> torch.device:
         devices = {p.device for p in module.parameters()}
         if len(devices) != 1:
             found = ", ".join(sorted(map(str, devices))) or "none"
@@ -199,25 +329,28 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 )
         return device
 
-    def _make_buckets(self, cap_bytes: int) -> list[_Bucket]:
+    def _make_buckets(self, caps: list[int]) -> list[_Bucket]:
+        """Buckets of parameters in reverse order; bucket ``i`` closes once it
+        holds ``caps[i]`` bytes (the last cap repeats)."""
         groups: list[list[torch.nn.Parameter]] = []
-        open_group: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        open_group: dict[torch.dtype, tuple[int, list[torch.nn.Parameter]]] = {}
         sizes: dict[torch.dtype, int] = {}
         for param in reversed(self._params):
-            current = open_group.get(param.dtype)
-            if current is None:
-                current = open_group[param.dtype] = []
-                groups.append(current)
+            opened = open_group.get(param.dtype)
+            if opened is None:
+                opened = open_group[param.dtype] = (len(groups), [])
+                groups.append(opened[1])
                 sizes[param.dtype] = 0
+            index, current = opened
             current.append(param)
             sizes[param.dtype] += param.numel() * param.element_size()
             # A bucket closes once it reaches its cap, so a large gradient
             # starts reducing as soon as it is ready.
-            if sizes[param.dtype] >= (FIRST_BUCKET_BYTES if current is groups[0] else cap_bytes):
+            if sizes[param.dtype] >= caps[min(index, len(caps) - 1)]:
                 del open_group[param.dtype]
-        meta_used = 1 + self._world_size + (len(self._params) if self.find_unused_parameters else 0)
+        meta_used = 1 + self._world_size + (len(self._params) if self._flags_in_meta else 0)
         self._meta_len = _aligned(meta_used)  # zeros after the metadata keep the gradients aligned
-        self._meta_rides = groups[0][0].dtype in _EXACT_COUNT_DTYPES
+        self._meta_rides = (self._reduce_dtype or groups[0][0].dtype) in _EXACT_COUNT_DTYPES
         buckets = []
         for index, params in enumerate(groups):
             offsets, total = [], 0
@@ -225,9 +358,11 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 offsets.append(total)
                 total += _aligned(param.numel())
             meta_len = self._meta_len if index == 0 and self._meta_rides else 0
-            buffer = torch.zeros(meta_len + total, dtype=params[0].dtype, device=self.device)
+            dtype = self._reduce_dtype or params[0].dtype
+            buffer = torch.zeros(meta_len + total, dtype=dtype, device=self.device)
             bucket = _Bucket(index, params, offsets, meta_len, buffer)
-            if self.gradient_as_bucket_view:
+            bucket.as_view = self.gradient_as_bucket_view and dtype == params[0].dtype
+            if bucket.as_view:
                 for position, param in enumerate(params):
                     param.grad = bucket.grad_view(position)
             buckets.append(bucket)
@@ -243,12 +378,51 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             Join.notify_join_context(self)
             self._reset_iteration()
             self._open = True
-            if self.broadcast_buffers:
+            if self.will_sync_module_buffers():
                 self._sync_buffers()
         output = self.module(*inputs, **kwargs)
-        if self.find_unused_parameters and torch.is_grad_enabled():
+        if self.static_graph:
+            if syncing and self._static_counts is not None:
+                # Learned in the first synchronizing backward: no graph traversal.
+                self._used = [count > 0 for count in self._static_counts]
+                self._unused_now.extend(i for i, count in enumerate(self._static_counts) if count == 0)
+        elif self.find_unused_parameters and torch.is_grad_enabled():
             self._find_unused(output, syncing)
+        if syncing:
+            # Backward may reach no parameter of this rank at all, or reach the
+            # first ones inside a nested (reentrant) backward: its end is
+            # scheduled from the outputs, on the outermost backward.
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._start_backward)
         return output
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether a synchronizing forward broadcasts the module's buffers."""
+        return self.require_forward_param_sync and self.forward_sync_buffers and len(self._buffers_list) > 0
+
+    def to_kwargs(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_id: int
+    ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
+        """``inputs`` and ``kwargs`` with every tensor moved to device
+        ``device_id`` of this module's device type, as one-element tuples
+        (torch's layout: one entry per device)."""
+        device = torch.device(self.device_type, device_id) if self.device_type != "cpu" else self.device
+        moved_inputs = tuple(_to_device(value, device) for value in inputs)
+        moved_kwargs = {key: _to_device(value, device) for key, value in (kwargs or {}).items()}
+        return (moved_inputs,), (moved_kwargs,)
+
+    def scatter(
+        self, inputs: tuple[Any, ...], kwargs: dict[str, Any] | None, device_ids: Sequence[int | torch.device]
+    ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
+        """Split ``inputs`` and ``kwargs`` along ``dim`` across ``device_ids``
+        (``torch.nn.parallel.scatter_gather.scatter_kwargs``)."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        """Concatenate ``outputs`` along ``dim`` on ``output_device``
+        (``torch.nn.parallel.scatter_gather.gather``; -1 means the CPU)."""
+        return gather(outputs, output_device, dim=self.dim)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -348,6 +522,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self._meta_future: torch.futures.Future[torch.Tensor] | None = None
         self._used = [True] * len(self._params)
         self._unused_now: list[int] = []  # find_unused_parameters: not reached by this forward
+        self._hook_counts = [0] * len(self._params)  # static_graph: accumulations this backward
         self._backward_started = False
         for bucket in self._buckets:
             bucket.pending = len(bucket.params)
@@ -360,6 +535,12 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             if not self._open:
                 return
             self._start_backward()
+            if self.static_graph:
+                self._hook_counts[index] += 1
+                # Learning: every bucket is reduced at the end of backward. Later:
+                # a gradient accumulated several times is ready at its last time.
+                if self._static_counts is None or self._hook_counts[index] < self._static_counts[index]:
+                    return
             self._grad_ready(index, param.grad)
 
         return hook
@@ -388,7 +569,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
-            if self.gradient_as_bucket_view:
+            if bucket.as_view:
                 param.grad = view
         bucket.ready[position] = True
         bucket.pending -= 1
@@ -399,22 +580,22 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     def _signal_meta(self, training: bool, dtype: torch.dtype) -> torch.Tensor:
         """This rank's contribution to the metadata, on the module's device:
         [heartbeat, active flag per rank, used flag per parameter
-        (find_unused_parameters only)]."""
+        (find_unused_parameters or static_graph only)]."""
         signal = Join.heartbeat_signal(self)
         key = (signal, training, dtype)
-        cached = None if self.find_unused_parameters else self._meta_cache.get(key)
+        cached = None if self._flags_in_meta else self._meta_cache.get(key)
         if cached is not None:
             return cached
         values = [0.0] * self._meta_len
         values[0] = signal
         if training:
             values[1 + self._rank] = 1.0
-            if self.find_unused_parameters:
+            if self._flags_in_meta:
                 values[1 + self._world_size : 1 + self._world_size + len(self._used)] = [
                     float(used) for used in self._used
                 ]
         meta = torch.tensor(values, dtype=dtype, device=self.device)
-        if not self.find_unused_parameters:
+        if not self._flags_in_meta:
             self._meta_cache[key] = meta
         return meta
 
@@ -431,7 +612,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         if bucket.index == 0:
             if rides:
                 bucket.buffer[: bucket.meta_len].copy_(self._signal_meta(training, bucket.buffer.dtype))
-            elif self.find_unused_parameters or Join.is_active(self):
+            elif self._flags_in_meta or Join.is_active(self):
                 # The metadata cannot ride with these gradients: its own all-reduce, first.
                 separate = self._signal_meta(training, torch.float32).clone()
                 work = dist.all_reduce(separate, group=self.process_group, async_op=True)
@@ -454,6 +635,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     def _finish_backward(self) -> None:
         """End of backward: reduce what is left, wait, and write the averaged
         gradients to ``.grad``; then hand Join the heartbeat."""
+        if self.static_graph and self._static_counts is None:
+            self._static_counts = list(self._hook_counts)
+            self._used = [count > 0 for count in self._hook_counts]
         for index in range(len(self._params)):
             bucket, position = self._where[index]
             if not bucket.ready[position]:
@@ -477,14 +661,14 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         divisor = self._divisor(meta)
         used = (
             [count > 0 for count in meta[1 + self._world_size : 1 + self._world_size + len(self._params)]]
-            if self.find_unused_parameters and meta
+            if self._flags_in_meta and meta
             else None
         )
         for bucket, result in zip(self._buckets, results):
             builtin = bucket.work is not None  # reduced in place, into this bucket's buffer
             scale = divisor if builtin else 1  # hooks divide themselves
             grads = bucket.grads if builtin else result
-            if self.gradient_as_bucket_view:
+            if bucket.as_view:
                 if grads.data_ptr() != bucket.grads.data_ptr():
                     bucket.grads.copy_(grads)
                 if scale != 1:
@@ -496,7 +680,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                     if shadow:
                         param.grad = None
                     continue
-                if self.gradient_as_bucket_view:
+                if bucket.as_view:
                     param.grad = bucket.views[position]
                     continue
                 if builtin:
@@ -505,7 +689,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                     offset = bucket.offsets[position]
                     reduced = grads[offset : offset + param.numel()].view_as(param)
                 if param.grad is None:
-                    param.grad = reduced / scale
+                    param.grad = (reduced / scale).to(param.dtype)  # cast back from a reduce_dtype
                 else:
                     torch.div(reduced, scale, out=param.grad)
         if meta:
@@ -541,9 +725,6 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 self._unused_now.append(index)
         if syncing:
             self._used = list(self._used_since_sync)
-            # Backward may reach no parameter of this rank at all: start from the outputs.
-            for tensor in outputs:
-                tensor.register_hook(self._start_backward)
 
     # Collectives outside backward.
 
@@ -565,6 +746,81 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 for tensor in group:
                     tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
+
+
+def _reject_unsupported(
+    delay_all_reduce_named_params: object,
+    param_to_hook_all_reduce: object,
+    skip_all_reduce_unused_params: bool,
+) -> None:
+    if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
+        raise ValueError(
+            "DistributedDataParallel(delay_all_reduce_named_params="
+            f"{'...' if delay_all_reduce_named_params is not None else None}, param_to_hook_all_reduce="
+            f"{'...' if param_to_hook_all_reduce is not None else None}): delaying some parameters' "
+            "all-reduce to another parameter's hook is not supported; leave both None (every gradient "
+            "is reduced in its bucket during backward)"
+        )
+    if skip_all_reduce_unused_params:
+        raise ValueError(
+            "DistributedDataParallel(skip_all_reduce_unused_params=True): not supported; leave it False "
+            "and use find_unused_parameters=True or static_graph=True: unused parameters are then reduced "
+            "as zeros inside their bucket, at no extra collective, and keep their .grad"
+        )
+
+
+def _bucket_caps(bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None) -> list[int]:
+    """Byte caps of buckets 0, 1, ... (the last repeats), as torch computes them."""
+    mib = 1024 * 1024
+    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
+        raise ValueError(f"DistributedDataParallel(bucket_cap_mb={bucket_cap_mb}): must be positive")
+    if bucket_cap_mb_list is not None:
+        if not bucket_cap_mb_list or any(cap <= 0 for cap in bucket_cap_mb_list):
+            raise ValueError(
+                f"DistributedDataParallel(bucket_cap_mb_list={list(bucket_cap_mb_list)}): "
+                "must be a non-empty list of positive sizes in MiB, or None"
+            )
+        return [int(cap * mib) for cap in bucket_cap_mb_list]
+    if bucket_cap_mb is None:
+        return [FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * mib]
+    return [int(bucket_cap_mb * mib)]
+
+
+def _reduce_dtype(
+    config: MixedPrecisionConfig | None, params: list[torch.nn.Parameter]
+) -> torch.dtype | None:
+    """The dtype to reduce gradients in, or None for the parameters' own."""
+    if config is None:
+        return None
+    dtypes = {p.dtype for p in params}
+    for name in ("param_dtype", "buffer_dtype"):
+        value = getattr(config, name, None)
+        if value is not None and dtypes != {value}:
+            raise ValueError(
+                f"DistributedDataParallel(mixed_precision.{name}={value}): only reduce_dtype is supported; "
+                f"set {name}=None, and for low-precision compute run the forward under torch.autocast"
+            )
+    reduce_dtype = getattr(config, "reduce_dtype", None)
+    if reduce_dtype is not None and not (
+        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"DistributedDataParallel(mixed_precision.reduce_dtype={reduce_dtype!r}): must be a floating "
+            "torch.dtype such as torch.bfloat16, or None"
+        )
+    return reduce_dtype if reduce_dtype is not None and dtypes != {reduce_dtype} else None
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to_device(item, device) for item in value)
+    if isinstance(value, list):
+        return [_to_device(item, device) for item in value]
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    return value
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -592,7 +848,7 @@ class _DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         ddp = self.ddp
         ddp._reset_iteration()
-        if ddp.broadcast_buffers:
+        if ddp.will_sync_module_buffers():
             ddp._sync_buffers()
         self._reduce_zeros()
 
@@ -634,5 +890,6 @@ class _DDPJoinHook(JoinHook):
         candidate = torch.tensor([ddp._rank if is_last_joiner else -1], device=ddp.device)
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp.process_group)
         src = global_rank(ddp.process_group, int(candidate.item()))
-        ddp._broadcast_coalesced(list(ddp.module.parameters()) + ddp._buffers_list, src)
+        buffers = ddp._buffers_list if ddp.forward_sync_buffers else []
+        ddp._broadcast_coalesced(list(ddp.module.parameters()) + buffers, src)
         ddp._buffer_src = 0  # after the Join, buffers come from rank 0 again

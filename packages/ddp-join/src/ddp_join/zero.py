@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, overload
+from typing import Any, Final, overload
 
 import torch
 import torch.distributed as dist
@@ -12,6 +12,11 @@ from ddp_join._groups import gather_objects, global_rank, resolve_group
 from join_core import Join, JoinHook
 
 __all__ = ["ZeroRedundancyOptimizer"]
+
+#: Without bucket views, parameters are broadcast in place, except that runs
+#: of smaller ones go together through a flat buffer of at most this size:
+#: one collective for many small tensors, and never a copy of a whole shard.
+COALESCE_BYTES: Final = 1 << 20
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -32,6 +37,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         process_group: the group to shard over (default: the world).
         parameters_as_bucket_view: keep each rank's parameters as views into
             one flat buffer per dtype, so a shard is broadcast without copies.
+        overlap_with_ddp: step each DDP bucket's shard as soon as the bucket
+            is reduced, from the communication hook
+            :func:`ddp_join.hook_with_zero_step` (register it on the model);
+            ``step()`` then steps nothing again.
         defaults: keyword arguments of ``optimizer_class`` (``lr=...``).
 
     Example::
@@ -50,8 +59,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         process_group: dist.ProcessGroup | None = None,
         parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
         **defaults: Any,
     ) -> None:
+        self.overlap_with_ddp = overlap_with_ddp
         self.process_group = group = resolve_group(process_group, "ZeroRedundancyOptimizer")
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -130,6 +141,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             closure: re-evaluates the model and returns the loss (optional).
         """
         Join.notify_join_context(self)
+        if self.overlap_with_ddp:
+            # hook_with_zero_step stepped and broadcast every bucket during backward.
+            if closure is not None:
+                raise ValueError(
+                    "ZeroRedundancyOptimizer.step(closure=...): with overlap_with_ddp=True the step runs "
+                    "during backward; call step() without a closure"
+                )
+            self._stepped = Join.heartbeats(self)
+            return None
         loss = self._local_step(closure)
         self._broadcast_shards()
         self._stepped = Join.heartbeats(self)
@@ -142,6 +162,33 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     local_group[key] = value  # e.g. a learning-rate scheduler's change
         return self.optim.step(closure)
 
+    def _step_bucket(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+        """overlap_with_ddp: step this rank's parameters among ``params`` with
+        the reduced ``grads``, then broadcast each parameter from its owner."""
+        local = [p for g in self.optim.param_groups for p in g["params"]]
+        saved = [p.grad for p in local]
+        mine = [(p, g) for p, g in zip(params, grads) if self._owner[id(p)] == self.rank]
+        if mine:
+            for param in local:
+                param.grad = None  # the optimizer skips them: only this bucket steps
+            for param, grad in mine:
+                param.grad = grad
+            with torch.no_grad():
+                self._local_step()
+            for param, grad in zip(local, saved):
+                param.grad = grad
+        with torch.no_grad():
+            for rank in range(self.world_size):
+                owned: list[torch.Tensor] = [p for p in params if self._owner[id(p)] == rank]
+                for same in _by_dtype(owned).values():
+                    flat = torch.cat([p.detach().reshape(-1) for p in same])
+                    dist.broadcast(flat, src=global_rank(self.process_group, rank), group=self.process_group)
+                    if rank != self.rank:
+                        offset = 0
+                        for param in same:
+                            param.copy_(flat[offset : offset + param.numel()].view_as(param))
+                            offset += param.numel()
+
     def _broadcast_shards(self) -> None:
         with torch.no_grad():
             if self.parameters_as_bucket_view:
@@ -149,14 +196,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     dist.broadcast(flat, src=global_rank(self.process_group, rank), group=self.process_group)
                 return
             for rank in range(self.world_size):
+                src = global_rank(self.process_group, rank)
                 for params in _by_dtype(self._owned_by(rank)).values():
-                    flat = torch.cat([p.detach().reshape(-1) for p in params])
-                    dist.broadcast(flat, src=global_rank(self.process_group, rank), group=self.process_group)
-                    if rank != self.rank:
-                        offset = 0
-                        for param in params:
-                            param.copy_(flat[offset : offset + param.numel()].view_as(param))
-                            offset += param.numel()
+                    for run in _runs(params, COALESCE_BYTES):
+                        if len(run) == 1 and run[0].is_contiguous():
+                            dist.broadcast(run[0].detach(), src=src, group=self.process_group)
+                            continue
+                        flat = torch.cat([p.detach().reshape(-1) for p in run])
+                        dist.broadcast(flat, src=src, group=self.process_group)
+                        if rank != self.rank:
+                            offset = 0
+                            for param in run:
+                                param.copy_(flat[offset : offset + param.numel()].view_as(param))
+                                offset += param.numel()
+                        del flat  # before the next run's buffer exists
 
     # State.
 
@@ -246,13 +299,15 @@ class _ZeroJoinHook(JoinHook):
         self.zero = zero
 
     def main_hook(self) -> None:
+        if self.zero.overlap_with_ddp:
+            return  # the model's join hook stepped the shard through hook_with_zero_step
         self.zero._local_step()
         self.zero._broadcast_shards()
 
     def abort_hook(self) -> None:
         # The rank failed after this iteration's heartbeat (its gradients were
         # reduced) but before step() finished: the others broadcast shards.
-        if Join.heartbeats(self.zero) > self.zero._stepped:
+        if not self.zero.overlap_with_ddp and Join.heartbeats(self.zero) > self.zero._stepped:
             self.zero._broadcast_shards()
 
 
@@ -261,6 +316,21 @@ def _by_dtype(params: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.devic
     for param in params:
         groups.setdefault((param.dtype, param.device), []).append(param)
     return groups
+
+
+def _runs(params: list[torch.Tensor], max_bytes: int) -> list[list[torch.Tensor]]:
+    """``params`` in order, cut into runs of at most ``max_bytes`` (a larger
+    parameter is a run of its own); the same on every rank."""
+    runs: list[list[torch.Tensor]] = []
+    size = max_bytes
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        if size + nbytes > max_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(param)
+        size += nbytes
+    return runs
 
 
 def _fill_defaults(global_group: dict[str, Any], local_group: dict[str, Any]) -> None:

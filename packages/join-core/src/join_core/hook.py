@@ -18,6 +18,8 @@ class JoinHook:
     - :meth:`abort_hook` runs on a rank that leaves the context with an
       exception, before it tells the others: it issues the collectives the
       joinable still owes for an iteration it began and did not finish.
+    - :meth:`enter_hook` and :meth:`exit_hook` bracket the context, for a
+      joinable whose state lives exactly as long as it.
 
     A hook whose joinable carries Join's heartbeat in its own first
     per-iteration all-reduce sets :attr:`carries_heartbeat` (see
@@ -45,4 +47,14 @@ class JoinHook:
         context, so that the ranks still training are not left waiting on a
         collective this rank never issued. A joinable that was between
         iterations has nothing to issue.
+        """
+
+    def enter_hook(self) -> None:
+        """Run when the Join is entered, before its body (only if enabled)."""
+
+    def exit_hook(self) -> None:
+        """Run when the Join is left, however it is left: undo :meth:`enter_hook`.
+
+        Runs after :meth:`post_hook` or the abort, in reverse joinable order,
+        on every hook whose :meth:`enter_hook` returned.
         """

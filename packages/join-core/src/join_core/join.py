@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
+from join_core.hook import JoinHook
 from join_core.joinable import Joinable
 from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, LivenessWatchdog, RankLostError
 
@@ -137,6 +138,8 @@ class Join:
         self._state = _State.TRAINING
         self._last_total: float | None = None  # the latest heartbeat seen by this rank
         self._reported = 0  # heartbeats seen so far
+        self._iterations = 0  # notify_join_context calls of the first joinable
+        self._entered_hooks: list[JoinHook] = []
         self._done = False  # an early termination or abort was already agreed on
         self._entered = False
         if liveness_timeout is not None and liveness_timeout.total_seconds() <= 0:
@@ -163,9 +166,16 @@ class Join:
                     )
             for index, joinable in enumerate(self._joinables):
                 _registry[id(joinable)] = (joinable, self, index == 0)
-        if self._liveness_timeout is not None and self._world_size > 1:
-            self._liveness = LivenessWatchdog(self._group, self._liveness_timeout)
-            self._liveness.start()
+        try:
+            for hook in self._hooks:
+                hook.enter_hook()
+                self._entered_hooks.append(hook)
+            if self._liveness_timeout is not None and self._world_size > 1:
+                self._liveness = LivenessWatchdog(self._group, self._liveness_timeout)
+                self._liveness.start()
+        except BaseException:
+            self._leave()
+            raise
         return self
 
     def __exit__(
@@ -191,8 +201,15 @@ class Join:
                 # as an Exception is; this rank re-raises its own all the same.
                 self._abort(exc)
         finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        try:
             if self._liveness is not None:
                 self._liveness.stop()
+            while self._entered_hooks:
+                self._entered_hooks.pop().exit_hook()
+        finally:
             with _registry_lock:
                 for joinable in self._joinables:
                     if _lookup(joinable) is not None:
@@ -241,7 +258,8 @@ class Join:
         """One heartbeat from a rank not training: the number of ranks training,
         or a negative number if a rank failed."""
         if not self._fused:
-            return self._all_reduce_signal(self._signal(), timeout)
+            self._last_total = self._all_reduce_signal(self._signal(), timeout)
+            return self._last_total
         reported_before = self._reported
         self._hooks[0].main_hook()
         if self._reported == reported_before or self._last_total is None:
@@ -349,6 +367,8 @@ class Join:
         if found is None:
             return None
         join, is_first = found
+        if is_first:
+            join._iterations += 1
         if not is_first or join._fused or join._state is not _State.TRAINING:
             return None
         beat = torch.ones(1, device=join._device)

@@ -13,23 +13,18 @@ import heapq
 import io
 import itertools
 import logging
-import os
 import pickle
 import re
-import socket
 import threading
 import time
 import traceback
 import types
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any, Final, TypeVar
-from urllib.parse import urlparse
 
 import torch
-from torch.distributed.distributed_c10d import PrefixStore, Store
-from torch.distributed.rendezvous import rendezvous
+from torch.distributed.distributed_c10d import Store
 from torch.futures import Future
 
 from . import rref as _rref
@@ -37,6 +32,7 @@ from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 from .functions import is_async_execution
 from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
 from .registry import _REGISTRY, BackendType, construct_rpc_backend_options, init_backend
+from .rendezvous import rendezvous_store
 from .rref import RRef, RRefContext, completed, copy_outcome, fail
 
 logger = logging.getLogger(__name__)
@@ -56,10 +52,6 @@ WorkerRef = WorkerInfo | str | int
 _NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9_:\-]+")
 _MAX_NAME_LENGTH: Final = 128
 _NUM_WORKER_THREADS: Final = 16
-# Waiting for the rendezvous store to listen: at most this long, one probe every few ms.
-_STORE_WAIT_S: Final = 30.0
-_STORE_POLL_S: Final = 0.002
-_STORE_PROBE_S: Final = 0.1
 
 
 # The first byte of every payload says how the rest was pickled.
@@ -603,61 +595,10 @@ def _choose_backend(backend: BackendType | None, options: RpcBackendOptions | No
     return default
 
 
-def _await_store(url: str, rank: int, timeout: float) -> None:
-    """On a rank that connects to the rendezvous store (not rank 0), wait until
-    the store's address accepts connections, polling every few milliseconds:
-    torch's store client, started too early, backs off for up to a second.
-    Gives up silently after ``timeout`` (the store's own connect reports errors)."""
-    parsed = urlparse(url)
-    if parsed.scheme == "env":
-        if rank == -1:
-            rank = int(os.environ.get("RANK", "-1"))
-        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-        port_number = int(port) if port.isdigit() else None
-    elif parsed.scheme == "tcp":
-        host, port_number = parsed.hostname, parsed.port
-    else:
-        return
-    if rank == 0 or not host or port_number is None:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, port_number), timeout=_STORE_PROBE_S).close()
-            return
-        except OSError:
-            time.sleep(_STORE_POLL_S)
-
-
 def _rendezvous(
     options: RpcBackendOptions, rank: int, world_size: int | None
 ) -> tuple[Store, int, int | None]:
-    url = options.init_method
-    scheme = urlparse(url).scheme
-    wait = options.rpc_timeout if 0 < options.rpc_timeout < _STORE_WAIT_S else _STORE_WAIT_S
-    _await_store(url, rank, wait)
-    if world_size is None and scheme == "env" and os.environ.get("WORLD_SIZE"):
-        world_size = int(os.environ["WORLD_SIZE"])
-    if world_size is None:
-        if rank == -1 and scheme == "env" and os.environ.get("RANK"):
-            rank = int(os.environ["RANK"])
-        if rank < 0:
-            raise ValueError(
-                f"rank={rank}: a dynamic group (world_size=None) needs this worker's rank; "
-                "pass rank= (or set RANK for env://)"
-            )
-        # A store that does not wait for a fixed number of workers, as torch's dynamic RPC.
-        separator = "&" if "?" in url else "?"
-        store, rank, _ = next(rendezvous(f"{url}{separator}rank={rank}&world_size=-1"))
-    else:
-        store, rank, world_size = next(rendezvous(url, rank=rank, world_size=world_size))
-    if options.rpc_timeout > 0:
-        store.set_timeout(timedelta(seconds=options.rpc_timeout))
-    # Successive sessions on one store use separate keys. Each rank counts its
-    # own sessions in the store itself, so workers that all start again agree,
-    # and a fresh store (a fresh group) starts from 1 whatever a process did before.
-    session = store.add(f"rpc_registry/sessions/rank{rank}", 1)
-    return PrefixStore(f"rpc_session_{session}", store), rank, world_size
+    return rendezvous_store(options.init_method, rank, world_size, options.rpc_timeout)
 
 
 def _is_int(value: object) -> bool:

@@ -2,16 +2,17 @@
 
 Python calls and tensors move between workers over authenticated TCP
 connections (tensors beside the pickle, straight into preallocated tensors).
-A static group exchanges names, addresses and device maps and runs its
-barriers over its own gloo group made from the rendezvous store of
-``rpc_registry.init_rpc``; a dynamic group keeps them in the store.
+A static group publishes its members' records (names, addresses, device
+maps) in the rendezvous store of ``rpc_registry.init_rpc``, signed with the
+job's secret, and runs its barriers through rank 0 over the agent's own
+authenticated connections; a dynamic group keeps its records in the store.
 Installed, it is ``rpc_registry``'s default backend.
 """
 
 from __future__ import annotations
 
 from .agent import ADDR_ENV, TensorPipeAgent, get_current_agent
-from .auth import AUTH_TOKEN_ENV, AuthenticationError
+from .auth import AuthenticationError
 from .device_maps import create_device_list, create_reverse_mapping, validate_device_maps
 from .options import (
     DEFAULT_NUM_WORKER_THREADS,
@@ -20,6 +21,7 @@ from .options import (
     construct_rpc_backend_options_handler,
 )
 from .plugin import BACKEND_NAME, PLUGIN, ensure_registered, init_backend_handler
+from .secret import AUTH_TOKEN_ENV
 from .wire import FrameError
 
 __all__ = [

@@ -20,35 +20,26 @@ import enum
 import hashlib
 import hmac
 import logging
-import os
 import secrets
 import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Final
 
-from torch.distributed.distributed_c10d import Store
-
+from .secret import AUTH_TOKEN_ENV
 from .wire import recv_exact
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "AUTH_TOKEN_ENV",
     "AuthenticationError",
     "HandshakeStatus",
     "PeerIdentity",
     "client_handshake",
-    "resolve_secret",
     "server_handshake",
 ]
 
-AUTH_TOKEN_ENV: Final = "TENSORPIPE_BACKEND_AUTH_TOKEN"
-"""Environment variable holding the job's secret when ``auth_token`` is not given."""
-
-_SECRET_KEY: Final = "tensorpipe_backend/secret"
 _MAGIC: Final = b"TPBA"
 _VERSION: Final = 1
 _NONCE: Final = 32
@@ -76,36 +67,6 @@ class PeerIdentity:
 
     name: str
     rank: int
-
-
-def resolve_secret(
-    auth_token: str | bytes | None, store: Store, rank: int, is_static_group: bool, timeout: float
-) -> bytes:
-    """The job's secret: ``auth_token``, else ``$TENSORPIPE_BACKEND_AUTH_TOKEN``, else from the store.
-
-    In a static group rank 0 generates it and the others wait (at most
-    ``timeout`` seconds) to read it; in a dynamic group the first worker to
-    get there sets it.
-    """
-    if auth_token is not None:
-        return auth_token.encode() if isinstance(auth_token, str) else bytes(auth_token)
-    from_env = os.environ.get(AUTH_TOKEN_ENV)
-    if from_env:
-        return from_env.encode()
-    fresh = secrets.token_hex(32)
-    if not is_static_group:
-        return bytes.fromhex(store.compare_set(_SECRET_KEY, "", fresh).decode())
-    if rank == 0:
-        store.set(_SECRET_KEY, fresh)
-        return bytes.fromhex(fresh)
-    try:
-        store.wait([_SECRET_KEY], timedelta(seconds=timeout if timeout > 0 else 300.0))
-    except RuntimeError as exc:
-        raise TimeoutError(
-            f"rank {rank}: waited for rank 0 to publish the job's secret in the store and it did not "
-            f"within {timeout:g} s; check that rank 0 runs, or set {AUTH_TOKEN_ENV} on every worker"
-        ) from exc
-    return bytes.fromhex(store.get(_SECRET_KEY).decode())
 
 
 def _identity_bytes(rank: int, name: str) -> bytes:

@@ -1,42 +1,44 @@
-"""Group state: worker records, the static group's gloo collectives, the dynamic group's token.
+"""Group state: worker records, and the dynamic group's membership token.
 
-A static group exchanges its records and runs its barriers over its own gloo
-process group (torch's default process group is left alone); a dynamic group
-keeps its records and membership in the rendezvous store. Records are JSON,
-never pickle: anyone who can reach the store or the group can send bytes,
-and reading a record must not run code.
+A static group's members publish their records in the rendezvous store
+signed with the job's secret (HMAC-SHA256), so a record someone else wrote
+is refused; its barriers run over the agent's own connections
+(:mod:`tensorpipe_backend.rounds`). A dynamic group keeps its records and
+membership in the store. Records are JSON, never pickle: anyone who can
+reach the store can write bytes, and reading a record must not run code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Final, Protocol, cast
+from typing import Final
 
 import torch
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions
-from torch.distributed.distributed_c10d import (
-    PrefixStore,
-    ProcessGroupGloo,
-    Store,
-    Work,
-)
+from torch.distributed.distributed_c10d import Store
 
 from .options import DeviceMap
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GlooGroup", "WorkerRecord", "members", "membership_token"]
+__all__ = [
+    "WorkerRecord",
+    "gather_signed_records",
+    "members",
+    "membership_token",
+    "publish_signed_record",
+]
 
 _PREFIX: Final = "tensorpipe_backend"
 MEMBERS_KEY: Final = f"{_PREFIX}/members"
 _TOKEN_KEY: Final = f"{_PREFIX}/token"
-_GLOO_PREFIX: Final = f"{_PREFIX}/gloo"
 _UNLIMITED: Final = 3600.0 * 24
 
 
@@ -107,97 +109,54 @@ def _seconds(timeout: float) -> float:
     return timeout if timeout > 0 else _UNLIMITED
 
 
-class _Collectives(Protocol):
-    """The collectives of ``ProcessGroupGloo`` used here; torch's stubs declare them on ``ProcessGroup`` only."""
-
-    def allgather(
-        self,
-        output_tensors: list[list[torch.Tensor]],
-        input_tensors: list[torch.Tensor],
-        opts: AllgatherOptions,
-    ) -> Work: ...
-    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> Work: ...
-    def barrier(self, opts: BarrierOptions) -> Work: ...
+def _static_key(rank: int) -> str:
+    return f"{_PREFIX}/static/{rank}"
 
 
-class GlooGroup:
-    """A static group's own gloo process group, made from the rendezvous store.
+def _mac(secret: bytes, key: str, text: str) -> str:
+    return hmac.new(secret, b"record\0" + key.encode() + b"\0" + text.encode(), hashlib.sha256).hexdigest()
 
-    Every collective waits at most ``timeout`` seconds (0: no limit) and
-    raises ``TimeoutError`` naming what it waited for. :meth:`close` releases
-    the group's threads and connections.
+
+def publish_signed_record(store: Store, record: WorkerRecord, secret: bytes) -> None:
+    """Publish a static group member's record, signed with the job's secret."""
+    key, text = _static_key(record.rank), record.to_json()
+    store.set(key, f"{text}\n{_mac(secret, key, text)}")
+
+
+def gather_signed_records(
+    store: Store, secret: bytes, world_size: int, rank: int, timeout: float
+) -> list[WorkerRecord]:
+    """Every static group member's record, by rank, once all are published (at most ``timeout`` s).
+
+    Raises:
+        TimeoutError: naming the ranks that did not publish in time.
+        ValueError: a record is not signed with the job's secret, or is malformed.
     """
-
-    def __init__(self, store: Store, rank: int, world_size: int, timeout: float) -> None:
-        self.world_size = world_size
-        try:
-            group = ProcessGroupGloo(
-                PrefixStore(_GLOO_PREFIX, store), rank, world_size, timedelta(seconds=_seconds(timeout))
+    keys = [_static_key(r) for r in range(world_size)]
+    started = time.monotonic()
+    try:
+        store.wait(keys, timedelta(seconds=_seconds(timeout)))
+    except RuntimeError as exc:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise TimeoutError(
+            f"rank {rank}: waited {time.monotonic() - started:.1f} s for the records of all {world_size} "
+            f"workers; rank{'s' if len(missing) != 1 else ''} {', '.join(map(str, missing))} did not publish "
+            "theirs (did they start, with the same init_method and world_size?)"
+        ) from exc
+    records = []
+    for r, key in enumerate(keys):
+        text, _, mac = store.get(key).decode(errors="replace").rpartition("\n")
+        if not hmac.compare_digest(mac, _mac(secret, key, text)):
+            raise ValueError(
+                f"the record of rank {r} in the rendezvous store is not signed with this worker's secret: "
+                "that worker holds a different secret (give every worker the same auth_token), or another "
+                "program wrote to the store"
             )
-        except RuntimeError as exc:
-            raise TimeoutError(
-                f"rank {rank}: waited {timeout:g} s for all {world_size} workers to connect their gloo "
-                f"group; it did not happen ({exc})"
-            ) from exc
-        self._group: _Collectives | None = cast(_Collectives, group)
-
-    def _run(self, start: Callable[[_Collectives, timedelta], Work], timeout: float, what: str) -> None:
-        group = self._group
-        if group is None:
-            raise RuntimeError(f"cannot wait for {what}: the group's gloo process group is closed")
-        limit = timedelta(seconds=_seconds(timeout))
-        try:
-            start(group, limit).wait(limit)
-        except RuntimeError as exc:
-            raise TimeoutError(
-                f"waited {timeout:g} s for all {self.world_size} workers to reach {what}; "
-                f"it did not happen ({exc})"
-            ) from exc
-
-    def all_gather(self, tensor: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor]:
-        """Every worker's ``tensor`` (all of one shape and dtype), by rank."""
-        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-
-        def start(group: _Collectives, limit: timedelta) -> Work:
-            opts = AllgatherOptions()
-            opts.timeout = limit
-            return group.allgather([out], [tensor], opts)
-
-        self._run(start, timeout, what)
-        return out
-
-    def all_gather_bytes(self, data: bytes, timeout: float, what: str) -> list[bytes]:
-        """Every worker's ``data``, by rank: the lengths, then the bytes padded to the longest."""
-        lengths = [int(n) for n in self.all_gather(torch.tensor([len(data)]), timeout, what)]
-        padded = torch.tensor(list(data.ljust(max(lengths), b"\0")), dtype=torch.uint8)
-        chunks = self.all_gather(padded, timeout, what)
-        return [bytes(chunk[:n].tolist()) for chunk, n in zip(chunks, lengths)]
-
-    def all_reduce_sum(self, value: int, timeout: float, what: str) -> int:
-        """The sum of every worker's ``value``."""
-        tensor = torch.tensor([value])
-
-        def start(group: _Collectives, limit: timedelta) -> Work:
-            opts = AllreduceOptions()
-            opts.timeout = limit
-            return group.allreduce([tensor], opts)
-
-        self._run(start, timeout, what)
-        return int(tensor)
-
-    def barrier(self, timeout: float, what: str) -> None:
-        """Block until every worker reached this barrier."""
-
-        def start(group: _Collectives, limit: timedelta) -> Work:
-            opts = BarrierOptions()
-            opts.timeout = limit
-            return group.barrier(opts)
-
-        self._run(start, timeout, what)
-
-    def close(self) -> None:
-        """Release the gloo group: its threads stop and its connections close."""
-        self._group = None
+        record = WorkerRecord.from_json(text)
+        if record.rank != r:
+            raise ValueError(f"the record of rank {r} in the rendezvous store claims rank {record.rank}")
+        records.append(record)
+    return records
 
 
 def members(store: Store) -> list[str]:

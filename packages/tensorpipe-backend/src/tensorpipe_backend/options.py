@@ -94,10 +94,12 @@ class TensorPipeRpcBackendOptions:
     ``devices`` lists the local CUDA devices the agent uses (by default the
     ones the maps mention). ``auth_token`` is the job's shared secret; without
     it, the environment variable ``TENSORPIPE_BACKEND_AUTH_TOKEN`` is used,
-    else rank 0 generates one and shares it through the rendezvous store
-    (which anyone who can reach the store can read: set a token on shared
-    networks). ``_transports`` and ``_channels`` are accepted for
-    compatibility with torch and must be ``None``.
+    else rank 0 generates one in a file only this user can read, which the
+    workers of the same host find (workers on other hosts then fail at init
+    and say how to pass a token). ``insecure=True`` shares a generated secret
+    through the rendezvous store instead, where anyone who can reach the store
+    can read it (a warning is logged). ``_transports`` and ``_channels`` are
+    accepted for compatibility with torch and must be ``None``.
 
     Example::
 
@@ -116,6 +118,7 @@ class TensorPipeRpcBackendOptions:
         _transports: list[Any] | None = None,
         _channels: list[Any] | None = None,
         auth_token: str | bytes | None = None,
+        insecure: bool = False,
     ) -> None:
         if isinstance(num_worker_threads, bool) or not isinstance(num_worker_threads, int):
             raise TypeError(f"num_worker_threads={num_worker_threads!r}: must be an int >= 1")
@@ -142,12 +145,15 @@ class TensorPipeRpcBackendOptions:
                 raise ValueError(
                     "auth_token='': must not be empty; pass None to use the environment or store"
                 )
+        if not isinstance(insecure, bool):
+            raise TypeError(f"insecure={insecure!r}: must be True or False")
         if device_maps is not None and not isinstance(device_maps, dict):
             raise TypeError(f"device_maps={device_maps!r}: must be a dict from worker name to device map")
         self.num_worker_threads: int = num_worker_threads
         self.rpc_timeout: float = float(rpc_timeout)
         self.init_method: str = init_method
         self.auth_token: str | bytes | None = auth_token
+        self.insecure: bool = insecure
         self._transports = _transports
         self._channels = _channels
         self._device_maps: dict[str, DeviceMap] = {}
@@ -209,7 +215,7 @@ class TensorPipeRpcBackendOptions:
             f"TensorPipeRpcBackendOptions(num_worker_threads={self.num_worker_threads}, "
             f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r}, "
             f"device_maps={self._device_maps}, devices={self._devices}, "
-            f"auth_token={'<set>' if self.auth_token is not None else None})"
+            f"auth_token={'<set>' if self.auth_token is not None else None}, insecure={self.insecure})"
         )
 
 

@@ -9,7 +9,10 @@ file of its own user with exactly the announced size and maps it as the
 tensor's memory (freed when the tensor is), unlinking it at once. A sender
 also unlinks a request's files when the call ends (reply or timeout), and
 every file its peer did not take when the connection closes, when the agent
-shuts down or when the process exits.
+shuts down or when the process exits. A token starts with its sender's pid
+and pid namespace, so the files of a process killed before it could clean up
+are swept when a peer's connection closes and when a process first shares
+memory: files of this user whose sender is gone are unlinked.
 
 Files are pooled per connection and direction, so that their pages are
 touched once, not per message: the sender keeps each file mapped and writes
@@ -29,6 +32,7 @@ import mmap
 import os
 import secrets
 import stat
+import struct
 import threading
 import weakref
 from typing import Final
@@ -37,7 +41,14 @@ import torch
 
 from .wire import SHM_TOKEN_BYTES, FrameError
 
-__all__ = ["SHM_MIN_BYTES", "MissingFileError", "SharedFiles", "host_identity", "open_tensor"]
+__all__ = [
+    "SHM_MIN_BYTES",
+    "MissingFileError",
+    "SharedFiles",
+    "host_identity",
+    "open_tensor",
+    "sweep_dead_senders",
+]
 
 SHM_MIN_BYTES: Final = 1 << 20
 """Tensors of at least this many bytes go through shared memory between workers of one host."""
@@ -50,8 +61,63 @@ _POOL_BYTES: Final = 1 << 30
 _FLAGS: Final = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 _POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
 
+_SENDER: Final = struct.Struct("!II")  # the token's first bytes: sender pid, pid namespace tag
+
 _live_lock = threading.Lock()
 _live: set[str] = set()
+_swept_once = False
+
+
+def _pid_namespace() -> int:
+    """A tag of this process's pid namespace (0 when unknown: then nothing is swept)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFF
+    except OSError:
+        return 0
+
+
+def _new_token() -> bytes:
+    return _SENDER.pack(os.getpid(), _pid_namespace()) + secrets.token_bytes(SHM_TOKEN_BYTES - _SENDER.size)
+
+
+def _sender_gone(name: str, namespace: int) -> bool:
+    """Whether the file ``name`` (``tpb-<token hex>``) was made by a process of this pid namespace that is gone."""
+    try:
+        pid, tag = _SENDER.unpack(bytes.fromhex(name[len(_PREFIX) :])[: _SENDER.size])
+    except ValueError:
+        return False
+    if tag != namespace or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def sweep_dead_senders() -> list[str]:
+    """Unlink this user's shared-memory files whose sending process is gone; the names unlinked."""
+    namespace = _pid_namespace()
+    if not namespace:
+        return []
+    swept = []
+    uid = os.geteuid()
+    try:
+        names = [n for n in os.listdir(_DIR) if n.startswith(_PREFIX)]
+    except OSError:
+        return []
+    for name in names:
+        path = f"{_DIR}/{name}"
+        try:
+            if os.lstat(path).st_uid != uid or not _sender_gone(name, namespace):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        swept.append(name)
+    return swept
 
 
 def host_identity() -> str:
@@ -137,6 +203,10 @@ class SharedFiles:
     """The shared-memory files of one connection: those sent (pooled or not) and those received."""
 
     def __init__(self) -> None:
+        global _swept_once
+        if not _swept_once:
+            _swept_once = True
+            sweep_dead_senders()
         self._lock = threading.Lock()
         self._sent: list[str] = []
         self._pool: list[_Pooled] = []
@@ -150,7 +220,7 @@ class SharedFiles:
             pooled.bytes[: len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
             return pooled.token, True
         self._prune()
-        token = secrets.token_bytes(SHM_TOKEN_BYTES)
+        token = _new_token()
         path, fd = _create(token, len(data))
         try:
             written = 0
@@ -177,7 +247,7 @@ class SharedFiles:
                     return pooled
             if len(self._pool) >= _POOL_FILES or sum(p.capacity for p in self._pool) + capacity > _POOL_BYTES:
                 return None
-            token = secrets.token_bytes(SHM_TOKEN_BYTES)
+            token = _new_token()
             path, fd = _create(token, capacity + _PAGE)
             try:
                 memory = mmap.mmap(fd, capacity + _PAGE)
@@ -250,6 +320,7 @@ class SharedFiles:
         for path in sent:
             _unlink(path)
         del pool, received  # the mappings go with the last tensor that views them
+        sweep_dead_senders()  # the peer may have been killed with files not yet taken
 
 
 def open_tensor(

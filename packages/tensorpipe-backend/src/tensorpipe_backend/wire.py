@@ -88,6 +88,8 @@ class Kind(enum.IntEnum):
     PING = 4
     PONG = 5
     GOODBYE = 6
+    GROUP = 7
+    """A static group's round (see :mod:`tensorpipe_backend.rounds`): the id is the round's number."""
 
 
 _KINDS: Final = {int(kind): kind for kind in Kind}

@@ -1,0 +1,389 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) under Join.
+
+A rank that runs out of inputs replays the last forward and backward on an
+empty slice of the last input, with the loss multiplied by zero: FSDP issues
+the same all-gathers and reduce-scatters as on the ranks still training, the
+joined rank adds nothing to the reduced gradient, and it steps its own shard
+with that gradient, so every shard stays current.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, Final, TypeAlias
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from ddp_join._groups import all_gather_bytes
+from join_core import Join, JoinHook
+
+__all__ = ["FSDPJoinable"]
+
+# Empty slices of the last forward's positional and keyword arguments, and
+# whether it ran with grad enabled (a training iteration) or not (evaluation).
+_Input: TypeAlias = tuple[tuple[Any, ...], dict[str, Any], bool]
+
+#: The longest input description (JSON) a rank with no batch accepts from a peer.
+_MAX_DESCRIPTION: Final = 1 << 20
+
+#: The heartbeat's slots: Join's signal, and the number of joined ranks
+#: that never ran a forward in this Join and need a peer's input to replay.
+_SIGNAL: Final = 0
+_NEEDS_INPUT: Final = 1
+
+
+class FSDPJoinable:
+    """Makes a model sharded with ``fully_shard`` a :class:`join_core.Joinable`.
+
+    The training loop is unchanged: a forward pre-hook on ``module`` sends
+    Join's heartbeat (one two-element all-reduce before FSDP's first
+    all-gather of the iteration, bounded by the process group's timeout), and
+    an optimizer step pre-hook hands its result to Join once the iteration's
+    collectives are done (so that with ``throw_on_early_termination`` every
+    rank raises between the same two collectives). Put it first among the
+    Join's joinables: it carries the heartbeat. A rank that has joined runs, per iteration
+    of the ranks still training: the heartbeat, ``optimizer.zero_grad()``,
+    the forward of ``module`` on an empty slice (batch size 0) of its last
+    input, ``backward()`` of the output's sum times zero, and
+    ``optimizer.step()``. FSDP issues the same all-gathers and reduce-scatters
+    as on the training ranks; the joined rank's gradient adds nothing, and its
+    shard is stepped with the reduced gradient, so after the Join every rank
+    holds current parameters and optimizer state for its shard.
+
+    Evaluation works the same way: when the joined rank's last forward ran
+    under ``torch.no_grad()``, it replays the forward alone, under
+    ``no_grad``, and steps nothing.
+
+    Requirements: one forward of ``module`` per iteration, ``zero_grad()``
+    before every backward (no gradient accumulation across iterations), a
+    model that accepts a batch of size 0 along dimension 0 of every input
+    tensor. A rank with no batch at all in a Join replays the empty slice of
+    a peer's input, exchanged once, pickled, between the ranks of the process
+    group (a second slot of the heartbeat says when one is needed).
+
+    Args:
+        module: a model already passed through ``fully_shard`` (its
+            submodules may be sharded too); its mesh must be one-dimensional.
+        optimizer: the optimizer over the (sharded) parameters of ``module``.
+
+    Join keyword arguments:
+        divide_by_initial_world_size: True (default) divides each iteration's
+            summed gradient by the world size; False by the number of ranks
+            still training (through each FSDP module's
+            ``set_gradient_divide_factor``).
+
+    Example::
+
+        with Join([FSDPJoinable(model, optimizer)]):
+            for x, y in my_batches:  # fewer on some ranks
+                optimizer.zero_grad()
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(module, FSDPModule):
+            raise TypeError(
+                f"FSDPJoinable(module={type(module).__name__}): not an FSDP module; "
+                "call torch.distributed.fsdp.fully_shard(module) first"
+            )
+        meshes = []
+        for param in module.parameters():
+            if isinstance(param, DTensor) and param.device_mesh not in meshes:
+                meshes.append(param.device_mesh)
+        if len(meshes) != 1:
+            raise ValueError(
+                f"FSDPJoinable(module={type(module).__name__}): its parameters span {len(meshes)} device "
+                "meshes; shard every parameter over the same one-dimensional mesh"
+            )
+        (mesh,) = meshes
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"FSDPJoinable(module={type(module).__name__}): its mesh has {mesh.ndim} dimensions; "
+                "only one-dimensional (fully sharded) meshes are supported"
+            )
+        self.module = module
+        self.optimizer = optimizer
+        self._group: dist.ProcessGroup = mesh.get_group()
+        self._device = next(p for p in module.parameters() if isinstance(p, DTensor)).to_local().device
+        self._world_size = dist.get_world_size(self._group)
+        self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        self._divide_by_initial_world_size = True
+        self._divisor = float(self._world_size)
+        self._last_input: _Input | None = None
+        self._pending: float | None = None  # a heartbeat total not yet handed to Join
+        # The output of a forward whose backward has not started: a rank that
+        # fails before that backward still owes its collectives.
+        self._owed_output: Any = None
+        self._replaying = False
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            module.register_forward_hook(self._post_forward),
+            optimizer.register_step_pre_hook(self._pre_step),
+        ]
+
+    # The Joinable protocol.
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook that replays an iteration on a joined rank.
+
+        Args:
+            divide_by_initial_world_size: see the class docstring (default True).
+        """
+        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        # An input of an earlier Join (say, training before evaluation) must
+        # not be replayed in this one.
+        self._last_input = None
+        self._pending = None
+        self._owed_output = None
+        return _FSDPJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the local shards."""
+        return self._device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        """The process group FSDP shards over."""
+        return self._group
+
+    def remove_hooks(self) -> None:
+        """Detach this joinable from the module and optimizer."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # A training rank.
+
+    def _pre_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._replaying or not Join.is_active(self):
+            return
+        self._hand_over()
+        self._last_input = (_empty_slice(args), _empty_slice(kwargs), torch.is_grad_enabled())
+        total, needs_input = self._beat(Join.heartbeat_signal(self), needs_input=False)
+        if total < 0:
+            Join.heartbeat_result(self, total)  # raises JoinAbortedError before FSDP's collectives
+        if needs_input:
+            self._share_input()
+        self._pending = total
+        self._set_divisor(total)
+
+    def _post_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._replaying or not Join.is_active(self) or not torch.is_grad_enabled():
+            return
+        tensors: list[torch.Tensor] = []
+        _collect(output, tensors.append)
+        if tensors:
+            self._owed_output = output
+            for tensor in tensors:
+                tensor.register_hook(self._backward_started)
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        self._owed_output = None
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._replaying:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        # After the iteration's collectives, so that a throw or abort leaves
+        # every rank between the same two collectives.
+        total, self._pending = self._pending, None
+        if total is not None and Join.is_active(self):
+            Join.heartbeat_result(self, total)
+
+    # Shared.
+
+    def _beat(self, signal: float, needs_input: bool) -> tuple[float, bool]:
+        """The heartbeat all-reduce: the total signal, and whether a joined
+        rank needs a peer's input. Bounded by the process group's timeout."""
+        beat = torch.zeros(2, device=self._device)
+        beat[_SIGNAL] = signal
+        beat[_NEEDS_INPUT] = float(needs_input)
+        work = dist.all_reduce(beat, group=self._group, async_op=True)
+        work.wait()
+        total, needing = beat.tolist()
+        return total, needing > 0
+
+    def _share_input(self) -> None:
+        """Give the last input's empty slices to the ranks that have none (a
+        rank that had no batch at all in this Join)."""
+        mine = b"" if self._last_input is None else json.dumps(_describe(self._last_input)).encode()
+        described = all_gather_bytes(mine, self._device, self._group, _MAX_DESCRIPTION)
+        if self._last_input is None:
+            text = next(d for d in described if d)
+            rebuilt = _rebuild(json.loads(text), self._device)
+            args, kwargs, with_grad = rebuilt
+            self._last_input = (tuple(args), dict(kwargs), bool(with_grad))
+
+    def _set_divisor(self, total: float) -> None:
+        divisor = float(self._world_size) if self._divide_by_initial_world_size else total
+        if divisor <= 0 or divisor == self._divisor:
+            return
+        self._divisor = divisor
+        # AVG (FSDP's default) when dividing by the world size; otherwise a
+        # sum then a division, which every backend supports (gloo has no
+        # PREMUL_SUM).
+        by_sum = divisor != self._world_size
+        for fsdp_module in self._fsdp_modules:
+            fsdp_module.set_gradient_divide_factor(divisor)
+            fsdp_module.set_force_sum_reduction_for_comms(by_sum)
+
+    # A joined rank.
+
+    def _replay(self) -> None:
+        assert self._last_input is not None
+        args, kwargs, with_grad = self._last_input
+        self._replaying = True
+        try:
+            if not with_grad:
+                with torch.no_grad():
+                    self.module(*args, **kwargs)
+                return
+            self.optimizer.zero_grad(set_to_none=True)
+            output = self.module(*args, **kwargs)
+            zero = _zero_loss(output)
+            if zero is None:
+                raise RuntimeError(
+                    f"FSDPJoinable: the output of {type(self.module).__name__} holds no floating-point "
+                    "tensor that requires grad; a joined rank has nothing to run backward() on"
+                )
+            zero.backward()
+            self.optimizer.step()
+        finally:
+            self._replaying = False
+
+
+class _FSDPJoinHook(JoinHook):
+    """Heartbeat, then one replayed iteration, on a joined rank."""
+
+    carries_heartbeat = True
+
+    def __init__(self, joinable: FSDPJoinable) -> None:
+        self.joinable = joinable
+
+    def main_hook(self) -> None:
+        joinable = self.joinable
+        signal = Join.heartbeat_signal(joinable)
+        total, needs_input = joinable._beat(signal, needs_input=joinable._last_input is None and signal >= 0)
+        if not Join.heartbeat_result(joinable, total) or total < 0:
+            return
+        if signal < 0:
+            return  # a failing rank: Join agrees on the abort next
+        if needs_input:
+            joinable._share_input()
+        joinable._set_divisor(total)
+        joinable._replay()
+
+    def abort_hook(self) -> None:
+        # The rank failed between a forward and its backward (say, in the
+        # loss): the ranks still training wait in that backward's collectives.
+        output, self.joinable._owed_output = self.joinable._owed_output, None
+        zero = _zero_loss(output)
+        if zero is not None:
+            zero.backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.joinable._owed_output = None
+        self.joinable._pending = None
+        self.joinable._set_divisor(float(self.joinable._world_size))
+
+
+def _describe(value: Any) -> Any:
+    """A JSON description of an input made of empty tensors and plain values."""
+    if isinstance(value, torch.Tensor):
+        scalar = value.item() if value.dim() == 0 and not value.is_complex() else None
+        return {
+            "tensor": str(value.dtype).removeprefix("torch."),
+            "shape": list(value.shape),
+            "value": scalar,
+        }
+    if isinstance(value, tuple):
+        return {"tuple": [_describe(v) for v in value]}
+    if isinstance(value, list):
+        return {"list": [_describe(v) for v in value]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: _describe(v) for k, v in value.items()}}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    return {"unsupported": type(value).__name__}
+
+
+def _rebuild(described: Any, device: torch.device) -> Any:
+    """The input a :func:`_describe` description stands for, tensors on ``device``."""
+    if not isinstance(described, dict) or len(described) == 0:
+        raise ValueError(f"FSDPJoinable: a malformed input description from a peer: {described!r}")
+    if "tensor" in described:
+        dtype = getattr(torch, str(described["tensor"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"FSDPJoinable: a peer's input has an unknown dtype {described['tensor']!r}")
+        shape = [int(n) for n in described["shape"]]
+        if not shape:
+            return torch.tensor(described["value"], dtype=dtype, device=device)
+        if shape[0] != 0:
+            raise ValueError("FSDPJoinable: a peer described an input tensor that is not empty")
+        return torch.empty(shape, dtype=dtype, device=device)
+    if "tuple" in described:
+        return tuple(_rebuild(v, device) for v in described["tuple"])
+    if "list" in described:
+        return [_rebuild(v, device) for v in described["list"]]
+    if "dict" in described:
+        return {str(k): _rebuild(v, device) for k, v in described["dict"].items()}
+    if "unsupported" in described:
+        raise TypeError(
+            f"FSDPJoinable: this rank had no batch in the Join and cannot replay its peers' input: it holds "
+            f"a {described['unsupported']}; give every rank at least one batch, or inputs made of tensors "
+            "and plain values"
+        )
+    return described["value"]
+
+
+def _empty_slice(value: Any) -> Any:
+    """``value`` with every tensor of one or more dimensions cut to length 0
+    along dimension 0 (a fresh tensor: the batch's memory is not kept)."""
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0:
+            return tensor.detach().clone()
+        return tensor.detach().new_empty((0, *tensor.shape[1:]))
+
+    return _map_tensors(value, cut)
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def _zero_loss(output: Any) -> torch.Tensor | None:
+    """Zero times the sum of every floating-point tensor in ``output`` that
+    requires grad, or None if there is none."""
+    terms: list[torch.Tensor] = []
+    _collect(output, terms.append)
+    if not terms:
+        return None
+    return torch.stack([t.sum() for t in terms]).sum() * 0.0
+
+
+def _collect(value: Any, add: Callable[[torch.Tensor], None]) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.requires_grad:
+            add(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _collect(item, add)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect(item, add)

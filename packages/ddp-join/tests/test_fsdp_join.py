@@ -1,0 +1,232 @@
+"""FSDPJoinable: FSDP2 models trained with uneven inputs under Join end equal
+to a single-process reference, on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ddp_cases import DEVICES, batch, flat_params, loss_fn, make_model, rank_device, reference
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from ddp_join import FSDPJoinable
+from join_core import Join, JoinAbortedError
+from join_core.testing import run_ranks
+
+BASE, EXTRA = 2, 2  # rank r trains on BASE + r * EXTRA batches
+
+
+def counts(world_size: int) -> list[int]:
+    return [BASE + r * EXTRA for r in range(world_size)]
+
+
+def _sharded_model(device: torch.device, nested: bool) -> torch.nn.Module:
+    model = make_model().to(device)
+    if nested:
+        for layer in model.children():
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _make_optimizer(name: str, params: object) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # type: ignore[arg-type]
+    return torch.optim.Adam(params, lr=0.01)  # type: ignore[arg-type]
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    assert isinstance(tensor, DTensor)
+    return tensor.full_tensor().detach().cpu()
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+        for key, value in model.state_dict().items()
+    }
+
+
+def _train(
+    rank: int, world_size: int, device: str, backend: str, optimizer_name: str, divide: bool, nested: bool
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    dev = rank_device(device, backend, rank)
+    model = _sharded_model(dev, nested)
+    optimizer = _make_optimizer(optimizer_name, model.parameters())
+    with Join([FSDPJoinable(model, optimizer)], divide_by_initial_world_size=divide):
+        for step in range(counts(world_size)[rank]):
+            optimizer.zero_grad()
+            loss_fn(model, *batch(rank, step, dev)).backward()
+            optimizer.step()
+    momentum_key = "momentum_buffer" if optimizer_name == "sgd" else "exp_avg"
+    states = [optimizer.state[p][momentum_key] for p in model.parameters()]
+    return _full_state(model), [_full(s) for s in states]
+
+
+def _reference_state(optimizer_name: str, world_size: int, divide: bool) -> torch.Tensor:
+    return reference(counts(world_size), lambda ps: _make_optimizer(optimizer_name, ps), divide)
+
+
+@DEVICES
+@pytest.mark.parametrize(
+    "optimizer_name,divide,nested,world_size",
+    [
+        pytest.param("sgd", True, True, 2, id="sgd-divide-by-world-nested-2"),
+        pytest.param("adam", False, True, 3, id="adam-divide-by-active-nested-3"),
+        pytest.param("adam", True, False, 4, id="adam-divide-by-world-root-only-4"),
+    ],
+)
+def test_uneven_fsdp_matches_single_process_reference(
+    device: str, backend: str, optimizer_name: str, divide: bool, nested: bool, world_size: int
+) -> None:
+    results = run_ranks(
+        _train, world_size, device, backend, optimizer_name, divide, nested, backend=backend, timeout=180
+    )
+    states = [state for state, _ in results]
+    for other in states[1:]:
+        for key in states[0]:
+            assert torch.equal(states[0][key], other[key]), key
+    # The state dict taken after the Join loads into a single-process model.
+    plain = make_model()
+    plain.load_state_dict(states[0])
+    expected = _reference_state(optimizer_name, world_size, divide)
+    torch.testing.assert_close(flat_params(plain), expected, rtol=1e-5, atol=1e-6)
+    # Every rank stepped its shard on every iteration: the optimizer state matches too.
+    momentum = torch.cat([s.reshape(-1) for s in results[0][1]])
+    assert momentum.abs().sum() > 0
+    for _, other_momentum in results[1:]:
+        torch.testing.assert_close(torch.cat([s.reshape(-1) for s in other_momentum]), momentum)
+
+
+def _train_throw(rank: int, world_size: int) -> int:
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = 0
+    try:
+        with Join([FSDPJoinable(model, optimizer)], throw_on_early_termination=True):
+            for step in range(counts(world_size)[rank]):
+                optimizer.zero_grad()
+                loss_fn(model, *batch(rank, step)).backward()
+                optimizer.step()
+                steps += 1
+    except RuntimeError as error:
+        assert "exhausted" in str(error), error
+        return steps
+    raise AssertionError(f"rank {rank} did not raise")
+
+
+def test_throw_on_early_termination_raises_on_every_rank() -> None:
+    steps = run_ranks(_train_throw, 3, timeout=120)
+    # Rank 0 runs out after BASE steps; the others raise during the next one.
+    assert steps == [BASE, BASE, BASE]
+
+
+def _train_disabled(rank: int, world_size: int, enable: bool) -> tuple[torch.Tensor, int, int]:
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    joinable = FSDPJoinable(model, optimizer)
+
+    def iteration(step: int) -> None:
+        optimizer.zero_grad()
+        loss_fn(model, *batch(rank, step)).backward()
+        optimizer.step()
+
+    iteration(0)  # warm-up: FSDP's lazy initialisation issues collectives of its own
+    with (
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
+        Join([joinable], enable=enable),
+    ):
+        for step in range(1, 4):
+            iteration(step)
+    events = [event for event in prof.key_averages() if event.key.startswith("c10d::")]
+    all_reduces = sum(event.count for event in events if event.key.startswith("c10d::allreduce_"))
+    return (
+        torch.cat([_full(p).reshape(-1) for p in model.parameters()]),
+        all_reduces,
+        sum(event.count for event in events) - all_reduces,
+    )
+
+
+def test_healthy_iterations_add_one_heartbeat_and_disabled_join_adds_none() -> None:
+    enabled = run_ranks(_train_disabled, 2, True, timeout=120)
+    disabled = run_ranks(_train_disabled, 2, False, timeout=120)
+    # One heartbeat per iteration, and the one that finds every rank joined.
+    assert [all_reduces for _, all_reduces, _ in enabled] == [4, 4]
+    assert [all_reduces for _, all_reduces, _ in disabled] == [0, 0]
+    # FSDP's own collectives are the same with or without Join.
+    assert [fsdp for _, _, fsdp in enabled] == [fsdp for _, _, fsdp in disabled]
+    assert disabled[0][2] > 0
+    torch.testing.assert_close(enabled[0][0], disabled[0][0])
+    expected = reference([4, 4], lambda ps: torch.optim.SGD(ps, lr=0.1))
+    torch.testing.assert_close(enabled[0][0], expected, rtol=1e-5, atol=1e-6)
+
+
+def _train_counts(rank: int, world_size: int, rank_counts: list[int]) -> dict[str, torch.Tensor]:
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([FSDPJoinable(model, optimizer)]):
+        for step in range(rank_counts[rank]):
+            optimizer.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            optimizer.step()
+    return _full_state(model)
+
+
+def test_rank_without_any_batch_replays_a_peers_input() -> None:
+    rank_counts = [0, 2]
+    states = run_ranks(_train_counts, 2, rank_counts, timeout=120)
+    plain = make_model()
+    plain.load_state_dict(states[1])
+    expected = reference(rank_counts, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    torch.testing.assert_close(flat_params(plain), expected, rtol=1e-5, atol=1e-6)
+    for key in states[0]:
+        assert torch.equal(states[0][key], states[1][key]), key
+
+
+def test_rejects_a_module_not_sharded() -> None:
+    model = make_model()
+    with pytest.raises(TypeError, match="fully_shard"):
+        FSDPJoinable(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _train_failing(rank: int, world_size: int) -> str:
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with Join([FSDPJoinable(model, optimizer)]):
+            for step in range(3):
+                if rank == 1 and step == 1:
+                    raise ValueError("bad batch")
+                optimizer.zero_grad()
+                loss_fn(model, *batch(rank, step)).backward()
+                optimizer.step()
+    except (ValueError, JoinAbortedError) as error:
+        return type(error).__name__
+    return "finished"
+
+
+def test_failure_between_iterations_reaches_every_rank() -> None:
+    assert run_ranks(_train_failing, 2, timeout=120) == ["JoinAbortedError", "ValueError"]
+
+
+def _train_failing_in_loss(rank: int, world_size: int) -> str:
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with Join([FSDPJoinable(model, optimizer)]):
+            for step in range(3):
+                optimizer.zero_grad()
+                output = model(batch(rank, step)[0])
+                if rank == 1 and step == 1:
+                    raise ValueError("NaN in the loss")  # after the forward, before its backward
+                output.pow(2).mean().backward()
+                optimizer.step()
+    except (ValueError, JoinAbortedError) as error:
+        return type(error).__name__
+    return "finished"
+
+
+def test_failure_between_forward_and_backward_reaches_every_rank() -> None:
+    # The failing rank issues the backward's collectives the others wait in.
+    assert run_ranks(_train_failing_in_loss, 2, timeout=60) == ["JoinAbortedError", "ValueError"]

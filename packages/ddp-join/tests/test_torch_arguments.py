@@ -1,0 +1,351 @@
+"""torch 2.13's DistributedDataParallel and ZeroRedundancyOptimizer arguments:
+the same signature, each implemented option checked against torch's DDP or a
+single-process reference (also under Join with uneven inputs), the others
+rejected by name."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_cases import batch, flat_params, loss_fn, make_model, reference
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils.checkpoint import checkpoint
+
+from ddp_join import (
+    DistributedDataParallel,
+    GradBucket,
+    ZeroRedundancyOptimizer,
+    allreduce_hook,
+    hook_with_zero_step,
+)
+from join_core import Join
+from join_core.testing import run_ranks
+
+
+def _parameters(fn: Any) -> list[tuple[str, Any]]:
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_constructors_take_torchs_arguments_in_torchs_order_with_torchs_defaults() -> None:
+    assert _parameters(DistributedDataParallel.__init__) == _parameters(TorchDDP.__init__)
+    with warnings.catch_warnings():
+        # Importing torch.distributed.optim scripts functional optimizers with torch.jit.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import (
+            hook_with_zero_step as torch_hook,
+        )
+        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    assert _parameters(ZeroRedundancyOptimizer.__init__) == _parameters(TorchZero.__init__)
+    assert _parameters(hook_with_zero_step) == _parameters(torch_hook)
+    for method in ("will_sync_module_buffers", "to_kwargs", "scatter", "gather"):
+        ours, theirs = getattr(DistributedDataParallel, method), getattr(TorchDDP, method)
+        assert [name for name, _ in _parameters(ours)] == [name for name, _ in _parameters(theirs)]
+
+
+@dataclass(frozen=True)
+class _Precision:
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+
+
+def _rejections(rank: int, world_size: int) -> dict[str, Any]:
+    linear = torch.nn.Linear(2, 2)
+    attempts: dict[str, Any] = {
+        "delay": lambda: DistributedDataParallel(
+            linear,
+            delay_all_reduce_named_params=[("weight", linear.weight)],
+            param_to_hook_all_reduce=linear.bias,
+        ),
+        "skip": lambda: DistributedDataParallel(linear, skip_all_reduce_unused_params=True),
+        "param_dtype": lambda: DistributedDataParallel(
+            linear, mixed_precision=_Precision(param_dtype=torch.float16)
+        ),
+        "mesh_and_group": lambda: DistributedDataParallel(
+            linear, process_group=dist.group.WORLD, device_mesh=init_device_mesh("cpu", (world_size,))
+        ),
+        "cap_list": lambda: DistributedDataParallel(linear, bucket_cap_mb_list=[]),
+        "overlap": lambda: hook_with_zero_step(
+            allreduce_hook,
+            DistributedDataParallel(linear),
+            ZeroRedundancyOptimizer(linear.parameters(), torch.optim.SGD, lr=0.1),
+        ),
+    }
+    messages: dict[str, Any] = {}
+    for name, make in attempts.items():
+        try:
+            make()
+            messages[name] = "accepted"
+        except (ValueError, RuntimeError) as error:
+            messages[name] = str(error)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DistributedDataParallel(linear, broadcast_buffers=True, check_reduction=True, batched_grad_copy=True)
+    messages["warnings"] = sorted(f"{w.category.__name__}: {w.message}" for w in caught)
+    plain = DistributedDataParallel(linear)
+    norm = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    messages["will_sync"] = [
+        plain.will_sync_module_buffers(),
+        DistributedDataParallel(norm).will_sync_module_buffers(),
+        DistributedDataParallel(norm, forward_sync_buffers=False).will_sync_module_buffers(),
+        DistributedDataParallel(norm, broadcast_buffers=False).will_sync_module_buffers(),
+    ]
+    x, y = torch.ones(2, 3), torch.zeros(1)
+    messages["to_kwargs"] = (
+        plain.to_kwargs((x, [y]), {"k": y}, 0),
+        TorchDDP(linear).to_kwargs((x, [y]), {"k": y}, 0),
+    )
+    return messages
+
+
+def test_unsupported_arguments_are_rejected_by_name_and_no_ops_are_accepted() -> None:
+    messages = run_ranks(_rejections, 2)[0]
+    assert "delay_all_reduce_named_params=..., param_to_hook_all_reduce=...): delaying" in messages["delay"]
+    assert "skip_all_reduce_unused_params=True): not supported; leave it False" in messages["skip"]
+    assert (
+        "mixed_precision.param_dtype=torch.float16): only reduce_dtype is supported"
+        in messages["param_dtype"]
+    )
+    assert "give one of them, not both" in messages["mesh_and_group"]
+    assert "bucket_cap_mb_list=[]): must be a non-empty list" in messages["cap_list"]
+    assert "built with overlap_with_ddp=False" in messages["overlap"]
+    assert len(messages["warnings"]) == 2
+    assert messages["warnings"][0].startswith("FutureWarning: DistributedDataParallel(broadcast_buffers=...)")
+    assert messages["warnings"][1].startswith("FutureWarning: DistributedDataParallel(check_reduction=True)")
+    assert messages["will_sync"] == [False, True, False, False]
+    ours, theirs = messages["to_kwargs"]
+    assert repr(ours) == repr(theirs)
+
+
+def _running_mean(norm: torch.nn.BatchNorm1d) -> torch.Tensor:
+    mean = norm.running_mean
+    assert mean is not None
+    return mean
+
+
+class _NormNet(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = torch.nn.Linear(4, 2)
+        self.norm = torch.nn.BatchNorm1d(2)
+        _running_mean(self.norm).fill_(float(seed))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.norm(self.linear(x))
+        return out
+
+
+def _construction_sync(rank: int, world_size: int) -> dict[str, list[float]]:
+    def state(**kwargs: Any) -> list[float]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model = DistributedDataParallel(_NormNet(seed=rank), **kwargs)
+        return [*flat_params(model).tolist(), *_running_mean(model.module.norm).tolist()]
+
+    x = torch.ones(3, 4)
+    model = DistributedDataParallel(_NormNet(seed=rank), forward_sync_buffers=False)
+    _running_mean(model.module.norm).fill_(float(rank))
+    model(x)  # buffers are not broadcast: each rank's statistics stay its own
+    return {
+        "default": state(),
+        "no_init_sync": state(init_sync=False),
+        "broadcast_buffers_false": state(broadcast_buffers=False),
+        "forward_sync_false": state(forward_sync_buffers=False),
+        "after_forward": _running_mean(model.module.norm).tolist(),
+    }
+
+
+def test_init_sync_and_buffer_flags_decide_what_is_broadcast() -> None:
+    first, second = run_ranks(_construction_sync, 2)
+    assert first["default"] == second["default"]
+    assert first["no_init_sync"] != second["no_init_sync"]  # each rank keeps its own initialization
+    # broadcast_buffers=False: parameters broadcast, buffers not (torch's deprecated meaning).
+    assert first["broadcast_buffers_false"][:-2] == second["broadcast_buffers_false"][:-2]
+    assert first["broadcast_buffers_false"][-2:] != second["broadcast_buffers_false"][-2:]
+    # forward_sync_buffers=False still broadcasts buffers at construction.
+    assert first["forward_sync_false"] == second["forward_sync_false"]
+    assert first["after_forward"] != second["after_forward"]
+
+
+class _Checkpointed(torch.nn.Module):
+    """Reentrant activation checkpointing of a layer used twice, and a
+    parameter no forward uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(4, 8)
+        self.shared = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 2)
+        self.unused = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = checkpoint(self.shared, h, use_reentrant=True)
+        h = checkpoint(self.shared, torch.tanh(h), use_reentrant=True)
+        out: torch.Tensor = self.out(h)
+        return out
+
+
+def _static(rank: int, world_size: int, steps: int, ours: bool, join: bool) -> tuple[torch.Tensor, bool]:
+    module = _Checkpointed()
+    model: torch.nn.Module
+    if ours:
+        model = DistributedDataParallel(module, static_graph=True, bucket_cap_mb=0.0001)
+    else:
+        model = TorchDDP(module, static_graph=True, bucket_cap_mb=0.0001)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model]) if join else contextlib.nullcontext():
+        for step in range(steps + (rank if join else 0)):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model, *batch(rank, step)).backward()
+            optimizer.step()
+    return flat_params(model), module.unused.weight.grad is None
+
+
+def test_static_graph_matches_torchs_with_reentrant_checkpointing_and_an_unused_parameter() -> None:
+    theirs = run_ranks(_static, 2, 4, False, False)
+    ours = run_ranks(_static, 2, 4, True, False)
+    assert torch.equal(ours[0][0], ours[1][0])
+    torch.testing.assert_close(ours[0][0], theirs[0][0], rtol=1e-5, atol=1e-6)
+    assert ours[0][1] and ours[1][1]  # no rank used it: .grad stays None
+
+
+def test_static_graph_under_join_with_uneven_inputs_matches_a_single_process() -> None:
+    results = run_ranks(_static, 2, 3, True, True)
+    assert torch.equal(results[0][0], results[1][0])
+    model = _Checkpointed()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        active = [rank for rank in range(2) if step < 3 + rank]
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in active:
+            model.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            for acc, p in zip(total, model.parameters()):
+                if p.grad is not None:
+                    acc += p.grad
+        for acc, p in zip(total, model.parameters()):
+            p.grad = acc / 2
+        optimizer.step()
+    torch.testing.assert_close(results[0][0], flat_params(model), rtol=1e-5, atol=1e-6)
+
+
+def _reduce_in(rank: int, world_size: int, steps: int) -> list[torch.Tensor]:
+    model = DistributedDataParallel(make_model(), mixed_precision=_Precision(reduce_dtype=torch.float16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads: list[torch.Tensor] = []
+    with model.join():
+        for step in range(steps + rank):
+            optimizer.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+            optimizer.step()
+    return [flat_params(model), *grads]
+
+
+def test_mixed_precision_reduces_gradients_in_reduce_dtype_and_casts_back() -> None:
+    results = run_ranks(_reduce_in, 2, 2)
+    assert torch.equal(results[0][0], results[1][0])
+    # The single-process reference, reducing each step's gradients in float16.
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    exact: list[torch.Tensor] = []
+    halved: list[torch.Tensor] = []
+    for step in range(3):
+        sums = [torch.zeros_like(p, dtype=torch.float16) for p in model.parameters()]
+        exact = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in (r for r in range(2) if step < 2 + r):
+            model.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            for acc, full, p in zip(sums, exact, model.parameters()):
+                assert p.grad is not None
+                acc += p.grad.half()
+                full += p.grad
+        halved = [(acc / 2).float() for acc in sums]
+        for p, grad in zip(model.parameters(), halved):
+            p.grad = grad
+        optimizer.step()
+    last = results[1][1:]  # rank 1 trained the last step, rank 0 had joined
+    assert all(grad.dtype == torch.float32 for grad in last)
+    for ours, expected, full in zip(last, halved, exact):
+        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-8)
+        assert not torch.equal(ours, full / 2)  # float16 rounding shows: not reduced in float32
+    torch.testing.assert_close(results[0][0], flat_params(model), rtol=1e-6, atol=1e-8)
+
+
+def _mesh_and_caps(rank: int, world_size: int) -> tuple[torch.Tensor, list[int]]:
+    mesh = init_device_mesh("cpu", (world_size,))
+    sizes: list[int] = []
+
+    def counting_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        sizes.append(len(bucket.parameters()))
+        return allreduce_hook(state, bucket)
+
+    # Buckets, in reverse parameter order: the first holds one byte at most
+    # (one parameter), the others 1 MiB (all the rest).
+    model = DistributedDataParallel(make_model(), device_mesh=mesh, bucket_cap_mb_list=[1e-6, 1.0])
+    model.register_comm_hook(None, counting_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join():
+        for step in range(3 + 2 * rank):
+            optimizer.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            optimizer.step()
+    return flat_params(model), sizes[:2]
+
+
+def test_device_mesh_and_bucket_cap_mb_list_under_join() -> None:
+    results = run_ranks(_mesh_and_caps, 2)
+    assert torch.equal(results[0][0], results[1][0])
+    expected = reference([3, 5], lambda ps: torch.optim.SGD(ps, lr=0.1))
+    torch.testing.assert_close(results[0][0], expected, rtol=1e-5, atol=1e-6)
+    assert results[0][1] == results[1][1] == [1, 3]
+
+
+def _scatter_gather(rank: int, world_size: int) -> tuple[list[list[int]], list[int]]:
+    model = DistributedDataParallel(torch.nn.Linear(2, 2).cuda(), device_ids=[0], dim=1)
+    x = torch.arange(8.0).view(2, 4).cuda()
+    inputs, _ = model.scatter((x,), {}, [0])
+    gathered = model.gather([x, x], 0)
+    return [list(part[0].shape) for part in inputs], list(gathered.shape)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's scatter and gather of tensors need CUDA")
+def test_scatter_and_gather_work_along_dim() -> None:
+    shapes, gathered = run_ranks(_scatter_gather, 1)[0]
+    assert shapes == [[2, 4]]
+    assert gathered == [2, 8]  # joined along dim=1
+
+
+def _overlap(rank: int, world_size: int) -> list[torch.Tensor]:
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=0.0001)  # several buckets
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.05)
+    model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
+    after_backward: list[torch.Tensor] = []
+    with Join([model, zero]):
+        for step in range(3 + 2 * rank):
+            zero.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            after_backward.append(flat_params(model))
+            zero.step()
+    return [flat_params(model), *after_backward]
+
+
+def test_zero_overlapped_with_ddp_steps_during_backward_under_join() -> None:
+    first, second = run_ranks(_overlap, 2)
+    assert torch.equal(first[0], second[0])
+    expected = reference([3, 5], lambda ps: torch.optim.Adam(ps, lr=0.05))
+    torch.testing.assert_close(first[0], expected, rtol=1e-5, atol=1e-6)
+    # The parameters had changed when backward returned: step() stepped nothing more.
+    assert not torch.equal(first[1], flat_params(make_model()))
+    assert torch.equal(second[-1], second[0])

@@ -1,0 +1,151 @@
+"""The rendezvous of ``init_rpc``: the store every worker of a group meets in, within a time limit.
+
+``tcp://`` and ``env://`` URLs get a ``TCPStore`` made here, hosted by rank 0,
+that does not block its host until every worker connected; instead every
+worker of a static group marks its arrival and waits for the others', so a
+worker that never comes is named (``rank 2 never arrived``) after the
+options' ``rpc_timeout``, not found at torch's 30-minute default. Other URLs
+(``file://``) go through ``torch.distributed.rendezvous`` with the same
+limit. Successive sessions on one store use separate keys.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Final
+from urllib.parse import parse_qs, urlparse
+
+from torch._C._distributed_c10d import TCPStore
+from torch.distributed.distributed_c10d import PrefixStore, Store
+from torch.distributed.rendezvous import rendezvous
+
+__all__ = ["rendezvous_store"]
+
+#: The limit when ``rpc_timeout`` is 0 (no limit on calls): torch's default for process groups.
+UNLIMITED_INIT_S: Final = 1800.0
+# Waiting for the rendezvous store to listen: at most this long, one probe every few ms.
+_STORE_WAIT_S: Final = 30.0
+_STORE_POLL_S: Final = 0.002
+_STORE_PROBE_S: Final = 0.1
+
+
+def _await_store(host: str, port: int, timeout: float) -> None:
+    """Wait until the store's address accepts connections, polling every few milliseconds:
+    torch's store client, started too early, backs off for up to a second. Gives up
+    silently after ``timeout`` (the store's own connect reports errors)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=_STORE_PROBE_S).close()
+            return
+        except OSError:
+            time.sleep(_STORE_POLL_S)
+
+
+def _address(url: str) -> tuple[str, int] | None:
+    """Host and port of the store for ``tcp://`` and ``env://`` (None: another scheme, or
+    a torchelastic agent's store, which torch's rendezvous knows how to reach)."""
+    parsed = urlparse(url)
+    if parsed.scheme == "tcp":
+        if parsed.hostname is None or parsed.port is None:
+            raise ValueError(
+                f"init_method={url!r}: a tcp:// URL needs a host and a port, e.g. tcp://10.0.0.1:29500"
+            )
+        return parsed.hostname, parsed.port
+    if parsed.scheme == "env" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"init_method={url!r}: env:// reads MASTER_ADDR and MASTER_PORT, and they are "
+                f"{host!r} and {port!r}; set both (e.g. MASTER_ADDR=127.0.0.1 MASTER_PORT=29500)"
+            )
+        return host, int(port)
+    return None
+
+
+def _rank_and_size(url: str, rank: int, world_size: int | None) -> tuple[int, int | None]:
+    """The rank and world size, completed from the URL's query or (``env://``) the environment."""
+    parsed = urlparse(url)
+    query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+    if rank == -1:
+        text = query.get("rank", os.environ.get("RANK", "") if parsed.scheme == "env" else "")
+        if text.lstrip("-").isdigit():
+            rank = int(text)
+    if world_size is None and parsed.scheme == "env" and os.environ.get("WORLD_SIZE", "").isdigit():
+        world_size = int(os.environ["WORLD_SIZE"])
+    if rank < 0:
+        group = "a dynamic group (world_size=None) needs" if world_size is None else "init_rpc needs"
+        raise ValueError(f"rank={rank}: {group} this worker's rank; pass rank= (or set RANK for env://)")
+    return rank, world_size
+
+
+def rendezvous_store(
+    url: str, rank: int, world_size: int | None, rpc_timeout: float
+) -> tuple[Store, int, int | None]:
+    """Meet the group at ``url``; the session's store, this worker's rank and the world size.
+
+    ``world_size=None`` joins a dynamic group (no arrival check). Waits at most
+    ``rpc_timeout`` seconds (``0``: :data:`UNLIMITED_INIT_S`).
+
+    Raises:
+        TimeoutError: naming the ranks that did not arrive in time.
+        ValueError: the URL or environment does not say where the store is.
+    """
+    timeout = rpc_timeout if rpc_timeout > 0 else UNLIMITED_INIT_S
+    limit = timedelta(seconds=timeout)
+    address = _address(url)
+    started = time.monotonic()
+    if address is not None:
+        rank, world_size = _rank_and_size(url, rank, world_size)
+        host, port = address
+        if rank != 0:
+            _await_store(host, port, min(timeout, _STORE_WAIT_S))
+        try:
+            store: Store = TCPStore(
+                host, port, world_size, rank == 0, limit, wait_for_workers=False, multi_tenant=True
+            )
+        except (RuntimeError, OSError) as exc:
+            waited = time.monotonic() - started
+            role = "host" if rank == 0 else "reach"
+            raise TimeoutError(
+                f"init_rpc(rank={rank}): could not {role} the rendezvous store at {host}:{port} "
+                f"(after {waited:.1f} s of at most {timeout:g} s): {exc}"
+            ) from exc
+    else:
+        separator = "&" if "?" in url else "?"
+        size = -1 if world_size is None else world_size
+        if world_size is None:
+            url = f"{url}{separator}rank={rank}&world_size=-1"
+        store, rank, size = next(rendezvous(url, rank=rank, world_size=size, timeout=limit))
+        world_size = None if world_size is None else size
+    store.set_timeout(limit)
+    # Each rank counts its own sessions in the store itself, so workers that all start again
+    # agree, and a fresh store (a fresh group) starts from 1 whatever a process did before.
+    session = store.add(f"rpc_registry/sessions/rank{rank}", 1)
+    prefixed = PrefixStore(f"rpc_session_{session}", store)
+    if world_size is not None:
+        _await_arrivals(prefixed, rank, world_size, started + timeout, started, url)
+    return prefixed, rank, world_size
+
+
+def _await_arrivals(
+    store: Store, rank: int, world_size: int, deadline: float, started: float, url: str
+) -> None:
+    keys = [f"rpc_registry/arrived/{r}" for r in range(world_size)]
+    store.set(keys[rank], "1")
+    try:
+        store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    except RuntimeError as exc:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            raise
+        waited = time.monotonic() - started
+        raise TimeoutError(
+            f"init_rpc(rank={rank}): waited {waited:.1f} s for all {world_size} workers to reach the "
+            f"rendezvous at {url}; rank{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(map(str, missing))} never arrived. Start every worker with the same init_method "
+            "and world_size, or raise rpc_timeout"
+        ) from exc

@@ -1,0 +1,222 @@
+"""One authenticated connection to a peer, and the framing of messages on it.
+
+:meth:`Connection.write` turns a message into a frame (see
+:mod:`tensorpipe_backend.wire`): small ones in one ``sendall``, tensors from
+their own memory or, to a peer of this host, through shared-memory files.
+:meth:`Connection.receive_tensors` allocates and fills a received frame's
+tensors. Who reads the connection, and when, is :mod:`tensorpipe_backend.reader`'s
+business; how it is set up is :mod:`tensorpipe_backend.peers`'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import select
+import socket
+import threading
+from typing import TYPE_CHECKING, Final
+
+import torch
+
+from rpc_registry import WorkerInfo
+
+from .options import DeviceMap
+from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles
+from .transport import DataWait
+from .wire import (
+    FrameError,
+    FrameReader,
+    Kind,
+    TensorDescriptor,
+    device_index,
+    encode_descriptors,
+    encode_header,
+    send_all,
+    small_frame,
+    tensor_bytes,
+)
+
+if TYPE_CHECKING:
+    from .calls import Pending
+
+__all__ = ["SMALL_PAYLOAD", "Connection", "prepare_tensor"]
+
+SMALL_PAYLOAD: Final = 1 << 16
+"""Payloads up to this size go out in one ``sendall`` with their header."""
+
+
+def _cuda_mapping_error(device: torch.device, dest: str, is_request: bool) -> RuntimeError:
+    side = "Request" if is_request else "Response"
+    return RuntimeError(
+        "TensorPipe RPC backend only supports CPU tensors by default, please move your tensors to CPU "
+        "before sending them over RPC, or call `set_device_map` on `TensorPipeRpcBackendOptions` to "
+        f"explicitly configure device mapping. {side} device mapping is not available for destination "
+        f"{dest} (tensor on {device})"
+    )
+
+
+def prepare_tensor(
+    tensor: torch.Tensor, device_map: DeviceMap, dest: str, is_request: bool = True
+) -> tuple[TensorDescriptor, torch.Tensor]:
+    """Where ``tensor`` lands at ``dest``, and its contiguous CPU data to send.
+
+    CPU tensors stay on the CPU; a CUDA tensor goes to ``device_map[its
+    device]`` and is staged through host memory. A CUDA tensor with no entry
+    in the map raises torch's error about ``set_device_map``.
+    """
+    if tensor.layout != torch.strided:
+        raise TypeError(f"a tensor with layout {tensor.layout} cannot be sent over RPC; use .to_dense()")
+    if tensor.device.type == "cpu":
+        target = torch.device("cpu")
+    else:
+        mapped = device_map.get(tensor.device)
+        if mapped is None:
+            raise _cuda_mapping_error(tensor.device, dest, is_request)
+        target = mapped
+    data = tensor.detach().resolve_conj().resolve_neg()
+    if data.device.type != "cpu":
+        data = data.to("cpu")
+    data = data.contiguous()
+    grad = tensor.requires_grad and (tensor.dtype.is_floating_point or tensor.dtype.is_complex)
+    nbytes = data.numel() * data.element_size()
+    return TensorDescriptor(data.dtype, target, tuple(data.shape), nbytes, grad), data
+
+
+class Connection:
+    """One authenticated socket to a peer; ``send_lock`` keeps frames whole.
+
+    ``shm`` is set when the peer is on this host and shares its ``/dev/shm``:
+    large tensors then travel as shared-memory files, both ways. ``pending``
+    holds the calls sent on it that wait for a reply.
+
+    One thread at a time reads it: the one that owns ``stream`` (``owner``).
+    The reader thread, whose token is ``reader``, waits for data without
+    owning the stream, so that a thread waiting for its own reply can take
+    it and read that reply (``TensorPipeAgent.send_wait``). A reader also
+    processes each frame it reads (runs the request, completes the reply's
+    future); ``busy`` numbers the frame it is processing (``0`` while it
+    reads). A reader busy for a whole watch tick, or one that sends a call
+    of its own (and will likely wait for its reply), hands the socket and
+    the stream to a new reader thread and ends when its frame is done.
+    Ownership is a dict entry set with ``setdefault``: one C call, so that
+    whoever owns the stream can always be told, even after an interrupted
+    thread.
+    """
+
+    def __init__(self, peer: WorkerInfo, sock: socket.socket, shm: SharedFiles | None = None) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.stream = FrameReader(sock)
+        self.send_lock = threading.Lock()
+        self.batch: list[bytes] = []  # small replies the reader writes in one go (under send_lock)
+        self.pending: dict[int, Pending] = {}
+        self.closed = False
+        self.shm = shm
+        self.role_lock = threading.Lock()
+        self.owner: dict[str, object] = {}  # reader.OWNER: the reader token or session that owns the stream
+        self.poller = select.poll()  # used by the stream's owner
+        self.poller.register(sock, select.POLLIN)
+        self.data_wait = DataWait(sock) if DataWait.supported else None
+        self.reader = object()
+        self.busy = 0
+        self.seen = 0
+
+    # Sending.
+    def write(
+        self,
+        kind: Kind,
+        msg_id: int,
+        payload: bytes,
+        prepared: list[tuple[TensorDescriptor, torch.Tensor]],
+        shm_tokens: list[bytes] | None = None,
+    ) -> None:
+        """Send one frame; ``shm_tokens`` collects the shared-memory files made for it that the
+        reply releases. ``ConnectionError`` once closed."""
+        if not prepared and len(payload) <= SMALL_PAYLOAD:
+            frame = small_frame(kind, msg_id, payload)
+            with self.send_lock:
+                if self.closed:
+                    raise ConnectionError(f"the connection to {self.peer.name} is closed")
+                self.sock.sendall(frame)
+            return
+        shm = self.shm
+        if shm is not None and prepared:
+            prepared = [
+                (_to_shared_memory(shm, desc, data, shm_tokens), data)
+                if desc.nbytes >= SHM_MIN_BYTES
+                else (desc, data)
+                for desc, data in prepared
+            ]
+        descriptors = encode_descriptors([desc for desc, _ in prepared]) if prepared else b""
+        header = encode_header(kind, msg_id, len(payload), len(prepared), len(descriptors))
+        with self.send_lock:
+            if self.closed:
+                raise ConnectionError(f"the connection to {self.peer.name} is closed")
+            if len(payload) <= SMALL_PAYLOAD:
+                self.sock.sendall(b"".join((header, descriptors, payload)))
+            else:
+                self.sock.sendall(header + descriptors)
+                send_all(self.sock, payload)
+            for desc, data in prepared:
+                if not desc.shm_token:
+                    send_all(self.sock, tensor_bytes(data))
+
+    def flush(self) -> None:
+        """Write the replies the reader batched."""
+        if not self.batch:
+            return
+        with self.send_lock:
+            if not self.batch:
+                return
+            data, self.batch = b"".join(self.batch), []
+            if not self.closed:
+                self.sock.sendall(data)
+
+    # Receiving.
+    def receive_tensors(
+        self, descs: list[TensorDescriptor], cuda_count: int, me: str
+    ) -> tuple[tuple[torch.Tensor, ...], str | None]:
+        """The tensors of the frame just read (``me`` has ``cuda_count`` devices), and why the
+        message cannot be delivered (``None``: it can)."""
+        tensors: list[torch.Tensor] = []
+        error: str | None = None
+        for desc in descs:
+            if desc.shm_token:
+                if self.shm is None:
+                    raise FrameError("a shared-memory tensor from a peer that is not on this host")
+                try:
+                    tensor = self.shm.receive(
+                        desc.shm_token, desc.shm_pooled, desc.dtype, desc.shape, desc.nbytes
+                    )
+                except MissingFileError as exc:
+                    # A request file its caller unlinked when the call timed out: not the peer's fault.
+                    error = error or f"{exc}; the call may have timed out"
+                    tensor = torch.empty(0)
+            else:
+                try:
+                    tensor = torch.empty(desc.shape, dtype=desc.dtype)
+                except RuntimeError as exc:
+                    raise FrameError(f"cannot allocate a tensor of shape {desc.shape}: {exc}") from exc
+                self.stream.read_into(tensor_bytes(tensor))
+            if desc.device.type == "cuda" and error is None:
+                if device_index(desc.device) >= cuda_count:
+                    error = (
+                        f"{me} has {cuda_count} CUDA devices and cannot place a tensor on "
+                        f"{desc.device}; fix the sender's device map"
+                    )
+                else:
+                    tensor = tensor.to(desc.device)
+            if desc.requires_grad:
+                tensor.requires_grad_()
+            tensors.append(tensor)
+        return tuple(tensors), error
+
+
+def _to_shared_memory(
+    shm: SharedFiles, desc: TensorDescriptor, data: torch.Tensor, created: list[bytes] | None
+) -> TensorDescriptor:
+    """``desc`` naming a shared-memory file now holding ``data``; ``created`` collects unpooled ones."""
+    token, pooled = shm.write(tensor_bytes(data))
+    if created is not None and not pooled:
+        created.append(token)
+    return dataclasses.replace(desc, shm_token=token, shm_pooled=pooled)

@@ -1,0 +1,245 @@
+"""Connection set-up: dialling a peer, accepting and authenticating one, and closing one.
+
+One authenticated connection per pair of workers carries requests and
+replies both ways: a Unix socket between workers of one host (found through
+their published host identity), TCP otherwise. When two workers dial each
+other at once, the dial of the lower rank wins and the other is told to use
+it. Every connection starts with the HMAC handshake of
+:mod:`tensorpipe_backend.auth`; nothing is read from a peer before it passed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Final
+
+from rpc_registry import WorkerInfo
+
+from .auth import AuthenticationError, HandshakeStatus, PeerIdentity, client_handshake, server_handshake
+from .calls import Calls
+from .connection import Connection
+from .group import WorkerRecord
+from .reader import Readers
+from .transport import close_socket, dial_local, shared_files, tune
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Peers"]
+
+_HANDSHAKE_TIMEOUT: Final = 30.0
+_MAX_HANDSHAKES: Final = 64
+
+
+class Peers:
+    """This worker's connections, one per peer, by name.
+
+    ``me`` is this worker and ``secret`` the job's; ``lock`` and ``cond`` are
+    the agent's. ``record`` finds a peer's published record (``None``: not in
+    the group), ``mine`` this worker's own. ``left`` (shared with the agent)
+    says why each departed peer left. ``spawn`` starts a named thread.
+    ``on_lost`` hears of each peer whose current connection closed, and why.
+    """
+
+    def __init__(
+        self,
+        me: WorkerInfo,
+        secret: bytes,
+        lock: threading.RLock,
+        cond: threading.Condition,
+        record: Callable[[str], WorkerRecord | None],
+        mine: Callable[[], WorkerRecord | None],
+        left: dict[str, str],
+        calls: Calls,
+        readers: Readers,
+        spawn: Callable[..., None],
+        on_lost: Callable[[Connection, str], None] | None = None,
+    ) -> None:
+        self._me = me
+        self._secret = secret
+        self._lock = lock
+        self._cond = cond
+        self._record = record
+        self._mine = mine
+        self._left = left
+        self._calls = calls
+        self._readers = readers
+        self._spawn = spawn
+        self._on_lost = on_lost
+        self.conns: dict[str, Connection] = {}
+        self._dialing: set[str] = set()
+        self._handshakes = 0
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def close(self) -> None:
+        """Refuse new connections from now on (hold ``lock``)."""
+        self._closed = True
+
+    def snapshot(self) -> list[Connection]:
+        """The connections now open (or closing)."""
+        with self._lock:
+            return list(self.conns.values())
+
+    def connection(self, name: str, deadline: float | None) -> Connection:
+        """The connection to worker ``name``, dialled if there is none (until ``deadline``)."""
+        while True:
+            with self._lock:
+                while True:
+                    if self._closed:
+                        raise RuntimeError(f"{self._me.name}: the agent is shut down")
+                    conn = self.conns.get(name)
+                    if conn is not None and not conn.closed:
+                        return conn
+                    if name not in self._dialing:
+                        break
+                    self._wait(deadline, f"a connection to worker {name}")
+                self._dialing.add(name)
+            try:
+                conn = self._dial(name, deadline)
+            finally:
+                with self._lock:
+                    self._dialing.discard(name)
+                    self._cond.notify_all()
+            if conn is not None:
+                return conn
+            # The peer keeps another connection with us (its own dial, or one it has not seen close).
+            with self._lock:
+                self._cond.wait_for(lambda: name in self.conns, timeout=0.05)
+
+    def _wait(self, deadline: float | None, what: str) -> None:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise TimeoutError(f"{self._me.name}: timed out waiting for {what}")
+        self._cond.wait(timeout=remaining if remaining is not None else 1.0)
+
+    def _dial(self, name: str, deadline: float | None) -> Connection | None:
+        record = self._record(name)
+        if record is None:
+            raise ValueError(f"worker {name!r} is not in the group; it may have left")
+        limit = _HANDSHAKE_TIMEOUT if deadline is None else max(min(deadline - time.monotonic(), 30.0), 0.01)
+        try:
+            sock = dial_local(self._mine(), record, limit) or socket.create_connection(
+                (record.host, record.port), timeout=limit
+            )
+        except OSError as exc:
+            raise ConnectionError(
+                f"worker {name} (rank {record.rank}) at {record.host}:{record.port} is unreachable: {exc}"
+            ) from exc
+        try:
+            tune(sock)
+            peer = PeerIdentity(name, record.rank)
+            _, status = client_handshake(sock, self._secret, PeerIdentity(self._me.name, self._me.id), peer)
+        except (OSError, EOFError, struct.error) as exc:
+            close_socket(sock)
+            if isinstance(exc, AuthenticationError):
+                raise
+            raise ConnectionError(f"worker {name}: connecting failed during authentication ({exc})") from exc
+        if status is HandshakeStatus.DUPLICATE:
+            close_socket(sock)
+            return None
+        sock.settimeout(None)
+        conn = Connection(WorkerInfo(name, record.rank), sock, shared_files(self._mine(), record, sock))
+        with self._lock:
+            old = self.conns.get(name)
+            self.conns[name] = conn
+            self._cond.notify_all()
+        if old is not None and old is not conn:
+            self.drop(old, "replaced by a new connection")
+        self._readers.start(conn)
+        return conn
+
+    def accept_loop(self, listener: socket.socket) -> None:
+        """Accept connections on ``listener`` until closed; each is authenticated in its own thread,
+        which then reads it."""
+        while not self._closed:
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.closed:
+                    return
+                time.sleep(0.05)
+                continue
+            with self._lock:
+                if self._handshakes >= _MAX_HANDSHAKES or self.closed:
+                    sock.close()
+                    continue
+                self._handshakes += 1
+            self._spawn(self._serve, "serve", sock)
+
+    def _serve(self, sock: socket.socket) -> None:
+        conn: list[Connection] = []
+
+        def decide(peer: PeerIdentity) -> HandshakeStatus:
+            record = self._record(peer.name)
+            if record is None or record.rank != peer.rank:
+                raise AuthenticationError(f"{peer} is not a member of the group")
+            with self._lock:
+                if self.closed:
+                    raise AuthenticationError("this worker is shutting down")
+                existing = self.conns.get(peer.name)
+                if existing is not None and not existing.closed:
+                    return HandshakeStatus.DUPLICATE
+                if peer.name in self._dialing and self._me.id < peer.rank:
+                    return HandshakeStatus.DUPLICATE
+                new = Connection(
+                    WorkerInfo(peer.name, peer.rank), sock, shared_files(self._mine(), record, sock)
+                )
+                # Nothing may be sent on it before the verdict.
+                new.send_lock.acquire()
+                self.conns[peer.name] = new
+                self._cond.notify_all()
+                conn.append(new)
+                return HandshakeStatus.ACCEPTED
+
+        try:
+            sock.settimeout(_HANDSHAKE_TIMEOUT)
+            tune(sock)
+            server_handshake(sock, self._secret, PeerIdentity(self._me.name, self._me.id), decide)
+        except (OSError, EOFError, struct.error, ValueError) as exc:
+            logger.warning("%s: rejected a connection: %s", self._me.name, exc)
+            if conn:
+                conn[0].send_lock.release()
+                self.drop(conn[0], f"authentication failed ({exc})")
+            else:
+                close_socket(sock)
+            return
+        finally:
+            with self._lock:
+                self._handshakes -= 1
+        if not conn:
+            close_socket(sock)
+            return
+        sock.settimeout(None)
+        conn[0].send_lock.release()
+        self._readers.read_loop(conn[0], conn[0].reader)
+
+    def drop(self, conn: Connection, reason: str) -> None:
+        """Close ``conn`` and fail its pending calls, naming the peer and ``reason``."""
+        current = False
+        with self._lock:
+            conn.closed = True
+            if self.conns.get(conn.peer.name) is conn:
+                del self.conns[conn.peer.name]
+                current = True
+            pending = self._calls.detach(conn)
+            left = self._left.get(conn.peer.name)
+        close_socket(conn.sock)
+        if conn.shm is not None:
+            conn.shm.close()
+        name = conn.peer.name
+        if current and self._on_lost is not None:
+            self._on_lost(conn, f"it {left}" if left else reason)
+        for entry in pending.values():
+            text = f"worker {name} {left}" if left else f"worker {name} (rank {conn.peer.id}): {reason}"
+            entry.deliver(ConnectionError(f"{text}; {entry.what} did not complete"))

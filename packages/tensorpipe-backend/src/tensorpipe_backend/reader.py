@@ -1,0 +1,307 @@
+"""Who reads a connection: its reader thread, a caller reading its own reply, and the watch.
+
+One thread at a time reads a connection, through its buffer, and processes
+what it reads itself (the agent's ``dispatch``: running the request,
+completing the reply's future). A reader that calls out, or is still busy
+after a watch tick (5 ms), hands the socket to a new reader thread, so a
+slow or nested call never stalls the connection; requests of one peer reach
+the handler in the order the peer sent them. A thread waiting in
+``send_wait`` (``rpc_sync``) reads its reply itself when the reader thread
+is idle (Linux): see :meth:`Readers.read_for`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Final, Protocol
+
+import torch
+
+from rpc_registry import Message
+
+from .calls import Calls, Reply, remote_failure
+from .connection import Connection
+from .wire import FrameError, Kind
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OWNER", "Dispatch", "Readers", "reading"]
+
+OWNER: Final = "owner"
+"""The key of ``Connection.owner``: the reader token or :class:`_Session` that owns the stream."""
+
+_WATCH_TICK: Final = 0.005
+_WATCH_IDLE_TICKS: Final = 200
+_WAIT_TICK: Final = 1.0  # a reader waiting for data checks this often whether its connection closed
+
+reading = threading.local()
+"""``reading.reading``: (connection, reader token) while a reader thread processes a frame."""
+
+
+class Dispatch(Protocol):
+    """Processes one frame read from ``conn`` (``error``: why its tensors cannot be delivered)."""
+
+    def __call__(
+        self,
+        conn: Connection,
+        kind: Kind,
+        msg_id: int,
+        payload: bytes,
+        tensors: tuple[torch.Tensor, ...],
+        error: str | None,
+    ) -> None: ...
+
+
+class _Session:
+    """A thread reading its own reply (see :meth:`Readers.read_for`)."""
+
+    __slots__ = ("thread",)
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+
+class Readers:
+    """The reader threads of one agent's connections, and the watch thread that relieves busy ones.
+
+    ``me`` names this worker (with ``cuda_count`` devices); ``dispatch``
+    processes each frame read, ``drop`` closes a connection that failed,
+    ``spawn`` starts a named thread, ``submit`` runs a function on the
+    worker pool, ``connections`` lists the open connections.
+    """
+
+    def __init__(
+        self,
+        me: str,
+        cuda_count: int,
+        calls: Calls,
+        dispatch: Dispatch,
+        drop: Callable[[Connection, str], None],
+        spawn: Callable[..., None],
+        submit: Callable[..., None],
+        connections: Callable[[], list[Connection]],
+    ) -> None:
+        self._me = me
+        self._cuda_count = cuda_count
+        self._calls = calls
+        self._dispatch = dispatch
+        self._drop = drop
+        self._spawn = spawn
+        self._submit = submit
+        self._connections = connections
+        self._busy_seq = itertools.count(1)
+        self._watch_idle = False
+        self._watch_wake = threading.Event()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def start(self, conn: Connection) -> None:
+        """Give ``conn`` its first reader thread."""
+        self._spawn(self.read_loop, f"read-{conn.peer.name}", conn, conn.reader)
+
+    def close(self) -> None:
+        """Stop the watch thread."""
+        self._closed = True
+        self._watch_wake.set()
+
+    def read_loop(self, conn: Connection, token: object, holding: bool = False) -> None:
+        """Read and process frames while this thread holds ``conn``'s reader token.
+
+        Where ``send_wait`` can read its reply in the caller's thread, the
+        reader waits for data without owning the stream (in ``conn.data_wait``)
+        and takes ``conn.owner`` for each run of frames it reads and
+        processes; elsewhere it keeps it. A reader handed the socket
+        (``holding``) owns the stream from the start.
+        """
+        reason = "the connection closed"
+        stream = conn.stream
+        owner = conn.owner
+        data_wait = conn.data_wait
+        if holding and data_wait is not None:
+            data_wait.resume(False)
+        wait = not stream.buffered
+        try:
+            while True:
+                if not holding:
+                    if wait and data_wait is not None:
+                        conn.flush()  # about to wait for the peer: what was batched goes out first
+                        if not data_wait.wait(_WAIT_TICK):
+                            if conn.closed:
+                                return
+                            self._heal(conn)
+                            wait = not stream.buffered
+                            continue
+                    if owner.setdefault(OWNER, token) is not token:
+                        # A caller reads its own reply and resumes the wait when done, unless a
+                        # signal cut it short: then the stream is taken back here.
+                        self._heal(conn)
+                        wait = True
+                        continue
+                    holding = True
+                    if conn.reader is not token or conn.closed:
+                        return
+                if not stream.has_frame():
+                    conn.flush()  # read_frame may wait for the peer
+                header, descs, payload = stream.read_frame()
+                tensors, error = (
+                    conn.receive_tensors(descs, self._cuda_count, self._me) if descs else ((), None)
+                )
+                with conn.role_lock:
+                    conn.busy = next(self._busy_seq)
+                if self._watch_idle:
+                    self._watch_idle = False
+                    self._watch_wake.set()
+                reading.reading = (conn, token)
+                try:
+                    self._dispatch(conn, header.kind, header.msg_id, payload, tensors, error)
+                finally:
+                    reading.reading = None
+                    tensors = ()  # a pooled shared-memory file is released when its tensor dies
+                with conn.role_lock:
+                    if conn.reader is not token:
+                        holding = False  # another thread reads now; it owns the stream
+                        return
+                    conn.busy = 0
+                if data_wait is not None and not stream.has_frame():
+                    owner.pop(OWNER, None)
+                    holding = False
+                    wait = not stream.buffered
+        except (FrameError, OSError, EOFError) as exc:
+            reason = self._read_failure(conn, exc)
+        finally:
+            if conn.reader is token:
+                self._drop(conn, reason)
+            if holding and owner.get(OWNER) is token:
+                owner.pop(OWNER, None)
+
+    def _read_failure(self, conn: Connection, exc: Exception) -> str:
+        """Why reading ``conn`` failed with ``exc``, for its pending calls (a malformed frame is logged)."""
+        if isinstance(exc, FrameError):
+            reason = f"it sent a malformed frame ({exc})"
+            logger.warning("%s: closing the connection to %s: %s", self._me, conn.peer.name, reason)
+            return reason
+        return "the connection closed" if isinstance(exc, EOFError) else f"the connection failed ({exc})"
+
+    def read_for(self, conn: Connection, msg_id: int, reply: Reply, deadline: float | None) -> None:
+        """Read the reply to ``msg_id`` in this thread if ``conn``'s stream is free and that reply
+        is the next frame; then give the stream back.
+
+        Any other frame ends the wait here: the reader thread processes it,
+        so no other call's callback and no peer's function runs in the
+        caller's thread. The wait also ends at ``deadline``. This may be the
+        main thread, where a signal handler can raise between any two
+        steps: the reply is consumed whole in one step (a lost reply is the
+        interrupted call's own), and a stream left owned by a session that
+        ended is taken back by the reader thread (:meth:`_heal`).
+        """
+        data_wait = conn.data_wait
+        assert data_wait is not None
+        owner, stream, session = conn.owner, conn.stream, _Session()
+        if owner.setdefault(OWNER, session) is not session:
+            return  # the reader thread is reading: it hands the reply over
+        reason = None
+        try:
+            data_wait.pause()  # the reader thread sleeps through this reply
+            taken: tuple[Kind, bytes] | bool = not stream.buffered  # just sent: wait before looking
+            while reply.outcome is None and not conn.closed:
+                if taken is True:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return
+                    conn.poller.poll(None if remaining is None else remaining * 1000)
+                taken = stream.take_reply(msg_id)
+                if taken is True:
+                    continue
+                if taken is False:
+                    return
+                kind, payload = taken
+                entry = self._calls.claim(conn, msg_id)
+                if entry is None:
+                    continue  # timed out or failed meanwhile: reply is set
+                if kind is Kind.REPLY:
+                    reply.set(Message(payload))
+                else:
+                    reply.set(remote_failure(conn, entry, payload))
+        except (FrameError, OSError, EOFError) as exc:
+            reason = self._read_failure(conn, exc)
+        finally:
+            if reason is not None:
+                self._drop(conn, reason)
+            _end_session(conn, session)
+
+    def _heal(self, conn: Connection) -> None:
+        """Take the stream back from a session whose thread left :meth:`read_for` without giving it
+        back (a signal handler raised at the wrong moment)."""
+        session = conn.owner.get(OWNER)
+        if not isinstance(session, _Session):
+            return
+        frame = sys._current_frames().get(session.thread)  # the documented way to see another thread
+        while frame is not None:
+            if frame.f_code is _READ_FOR_CODE and frame.f_locals.get("session") is session:
+                return  # still reading (this session, not one of the thread's on another connection)
+            frame = frame.f_back
+        logger.debug("%s: taking back the stream of %s from an interrupted call", self._me, conn.peer.name)
+        _end_session(conn, session)
+
+    def hand_off(self, conn: Connection, token: object) -> None:
+        """Give ``conn`` a new reader thread if ``token``'s holder is processing a frame."""
+        with conn.role_lock:
+            if conn.reader is not token or not conn.busy or conn.closed:
+                return
+            conn.reader = token = object()
+            conn.owner[OWNER] = token  # the busy reader owns the stream: it passes to the new one
+            conn.busy = conn.seen = 0
+        self._spawn(self.read_loop, f"read-{conn.peer.name}", conn, token, True)
+        with conn.send_lock:
+            kept = bool(conn.batch)
+        if kept:
+            self._submit(conn.flush)
+
+    def watch_loop(self) -> None:
+        """Every tick, move each connection whose reader was busy all tick long to a new reader."""
+        quiet = 0
+        while not self._closed:
+            time.sleep(_WATCH_TICK)
+            conns = self._connections()
+            stuck = []
+            for conn in conns:
+                with conn.role_lock:
+                    if conn.busy and conn.busy == conn.seen:
+                        stuck.append((conn, conn.reader))
+                    conn.seen = conn.busy
+            for conn, token in stuck:
+                self.hand_off(conn, token)
+            if any(conn.busy for conn in conns):
+                quiet = 0
+                continue
+            quiet += 1
+            if quiet < _WATCH_IDLE_TICKS:
+                continue
+            # Idle: sleep until a reader starts processing (it sets the event when it sees the flag).
+            self._watch_wake.clear()
+            self._watch_idle = True
+            # close() sets closed before the event: checked after clear(), no wake-up is lost.
+            if not self.closed and not any(conn.busy for conn in conns):
+                self._watch_wake.wait()
+            self._watch_idle = False
+            quiet = 0
+
+
+def _end_session(conn: Connection, session: _Session) -> None:
+    """Give the stream ``session`` owns back to the reader thread (safe to repeat)."""
+    if conn.owner.get(OWNER) is session and conn.data_wait is not None:
+        # Resumed before it is released, so no other session's pause is undone.
+        conn.data_wait.resume(conn.stream.buffered > 0)
+        conn.owner.pop(OWNER, None)
+
+
+_READ_FOR_CODE: Final = Readers.read_for.__code__

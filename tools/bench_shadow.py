@@ -1,0 +1,155 @@
+"""Benchmark: what ShadowCollectives costs a healthy step.
+
+Two processes on 127.0.0.1 (gloo, CPU) train Linear(16, 16) with our DDP and
+all-reduce the loss every step, as a loop that logs a metric does. Adjacent
+short runs under ``Join([model])`` and ``Join([model, ShadowCollectives()])``,
+in alternating order, give one ratio each; the figure is their median (slow
+drifts of the machine cancel out within a pair). A second run of
+``Join([model])`` in each round gives the same ratio between two identical
+runs: the noise floor the figure is printed with, next to the same ratio in
+CPU time of the rank (which the machine's other load moves less). torch.profiler then counts
+the gloo collectives of healthy iterations with and without it. torch has no
+counterpart (its answer is ``throw_on_early_termination``), hence no torch
+column.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from benchlib import Figure
+
+from ddp_join import DistributedDataParallel
+from join_core import Join, ShadowCollectives
+from join_core.testing import run_ranks
+
+__all__ = ["shadow_figures"]
+
+_NONE = float("nan")  # no torch counterpart
+
+
+def _trainer() -> tuple[DistributedDataParallel[torch.nn.Module], torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model: DistributedDataParallel[torch.nn.Module] = DistributedDataParallel(torch.nn.Linear(16, 16))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _join(model: DistributedDataParallel[torch.nn.Module], shadow: bool) -> Join:
+    return Join([model, ShadowCollectives()] if shadow else [model])
+
+
+def _steps(
+    model: DistributedDataParallel[torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    data: torch.Tensor,
+    steps: int,
+) -> None:
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(data).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        dist.all_reduce(loss.detach())  # the metric sync ShadowCollectives would shadow
+
+
+def _timed(
+    model: DistributedDataParallel[torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    data: torch.Tensor,
+    steps: int,
+    shadow: bool,
+) -> float:
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.thread_time()
+    with _join(model, shadow):
+        _steps(model, optimizer, data, steps)
+    _cpu_times.append((time.thread_time() - cpu) / steps)
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
+
+
+_cpu_times: list[float] = []  # CPU seconds per step of each timed run, in order
+
+
+def _overhead(rank: int, world_size: int, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Per round, seconds per step with ShadowCollectives over seconds per step
+    without ("shadow"), and without over without ("control")."""
+    torch.set_num_threads(1)
+    data = torch.randn(8, 16)
+    model, optimizer = _trainer()
+    for shadow in (False, True):
+        _timed(model, optimizer, data, 20, shadow)  # warm-up
+    ratios: dict[str, list[float]] = {"shadow": [], "control": [], "cpu": []}
+    runs = [("join", False), ("shadow", True), ("again", False)]
+    for round_ in range(rounds):
+        times, cpu = {}, {}
+        for key, shadow in runs[:: 1 - 2 * (round_ % 2)]:
+            times[key] = _timed(model, optimizer, data, steps, shadow)
+            cpu[key] = _cpu_times[-1]
+        ratios["shadow"].append(times["shadow"] / times["join"])
+        ratios["control"].append(times["again"] / times["join"])
+        ratios["cpu"].append(cpu["shadow"] / cpu["join"])
+    return ratios
+
+
+def _collectives(rank: int, world_size: int) -> dict[str, int]:
+    """gloo collectives of 5 healthy iterations, with and without ShadowCollectives."""
+    from torch.profiler import ProfilerActivity, profile
+
+    data = torch.randn(8, 16)
+    counts = {}
+    model, optimizer = _trainer()
+    for shadow in (False, True):
+        with _join(model, shadow):
+            _steps(model, optimizer, data, 1)  # warm-up, not counted
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                _steps(model, optimizer, data, 5)
+        counts["shadow" if shadow else "join"] = sum(
+            1 for event in prof.events() if event.name.startswith("gloo:")
+        )
+    return counts
+
+
+def shadow_figures(rounds: int, quick: bool) -> list[Figure]:
+    """The overhead of ShadowCollectives on a healthy step, and its extra collectives."""
+    ratios: Any = run_ranks(
+        _overhead, 2, max(rounds * 2, 10 if quick else 30), 50 if quick else 100, timeout=900
+    )[0]
+    overhead = statistics.median(ratios["shadow"]) - 1
+    noise = statistics.median(ratios["control"]) - 1
+    cpu = statistics.median(ratios["cpu"]) - 1
+    print(
+        f"ShadowCollectives overhead {overhead * 100:+.2f} % in wall time (two identical runs differ by "
+        f"{noise * 100:+.2f} %), {cpu * 100:+.2f} % in CPU time of the rank"
+    )
+    counts = run_ranks(_collectives, 2, timeout=300)[0]
+    extra = (counts["shadow"] - counts["join"]) / 5
+    return [
+        Figure(
+            "ShadowCollectives overhead per step, Linear(16,16) + metric all-reduce",
+            "% over Join alone",
+            overhead * 100,
+            _NONE,
+            "<= 1%",
+            overhead * 100,
+            overhead <= 0.01,
+        ),
+        Figure(
+            "extra collectives per healthy iteration with ShadowCollectives",
+            "gloo ops",
+            extra,
+            _NONE,
+            "0 extra",
+            extra,
+            extra <= 0,
+        ),
+    ]
+
+
+if __name__ == "__main__":
+    for figure in shadow_figures(5, quick=False):
+        print(figure)
