@@ -3,6 +3,7 @@ tensorpipe-backend, each on 2 to 4 local ranks started by launch.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,27 @@ def test_a_rank_failing_inside_join_stops_every_rank(device: str, backend: str) 
         if e.rank != fail_rank:
             assert f"JoinAbortedError: Join aborted: rank {fail_rank} raised ValueError" in e.output, e.output
     # Each rank ran in its own session: nothing of any is left.
+    assert not any(session_alive(e.pid) for e in exits)
+
+
+@pytest.mark.parametrize("how", ["freeze", "kill"])
+def test_a_rank_lost_inside_join_is_named_by_every_rank_within_seconds(how: str) -> None:
+    lost = 1
+    exits = launch(
+        HERE / "train_failure.py",
+        3,
+        ["--fail-rank", str(lost), "--how", how, "--base", "1000"],
+        timeout=120.0,
+        grace=15.0,  # after the first exit; then a frozen rank is killed
+    )
+    assert exits[lost].returncode == -9, f"rank {lost} exit {exits[lost].returncode}\n{exits[lost].output}"
+    for e in exits:
+        if e.rank == lost:
+            continue
+        assert e.returncode == 1, f"rank {e.rank} exit {e.returncode}\n{e.output}"
+        assert f"RankLostError: Join aborted: lost rank {lost} (no heartbeat for " in e.output, e.output
+        told = re.search(r"told ([0-9.]+) s after the last step", e.output)
+        assert told is not None and float(told.group(1)) < 10, e.output
     assert not any(session_alive(e.pid) for e in exits)
 
 

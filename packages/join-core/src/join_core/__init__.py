@@ -8,6 +8,15 @@ not, so nobody hangs. See :class:`Join`, :class:`Joinable` and :class:`JoinHook`
 from join_core.hook import JoinHook
 from join_core.join import Join, JoinAbortedError
 from join_core.joinable import Joinable
+from join_core.liveness import RankLostError
 from join_core.shadow import CollectiveMismatchError, ShadowCollectives
 
-__all__ = ["CollectiveMismatchError", "Join", "JoinAbortedError", "JoinHook", "Joinable", "ShadowCollectives"]
+__all__ = [
+    "CollectiveMismatchError",
+    "Join",
+    "JoinAbortedError",
+    "JoinHook",
+    "Joinable",
+    "RankLostError",
+    "ShadowCollectives",
+]

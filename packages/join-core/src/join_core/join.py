@@ -16,6 +16,7 @@ from typing_extensions import Self
 
 from join_core.hook import JoinHook
 from join_core.joinable import Joinable
+from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, LivenessWatchdog, RankLostError
 
 __all__ = ["Join", "JoinAbortedError"]
 
@@ -81,6 +82,12 @@ class Join:
         enable: False turns all join logic off (for inputs known to be even).
         throw_on_early_termination: raise on every rank as soon as one rank
             runs out of inputs, instead of shadowing.
+        liveness_timeout: a rank that sends no heartbeat through the store
+            for this long (it died, froze or was cut off) is lost: every
+            other rank raises :class:`RankLostError` naming it, at most
+            ``liveness_timeout * 1.2`` plus a moment after the loss. None
+            turns the watch off (then only the process group's timeout ends
+            a wait on a frozen rank).
         kwargs: passed to every joinable's ``join_hook``.
 
     Example::
@@ -96,8 +103,17 @@ class Join:
         joinables: list[Joinable],
         enable: bool = True,
         throw_on_early_termination: bool = False,
+        *,
+        liveness_timeout: timedelta | None = DEFAULT_LIVENESS_TIMEOUT,
         **kwargs: Any,
     ) -> None:
+        given: object = joinables  # callers without type checking pass anything
+        if not isinstance(given, (list, tuple)):
+            hint = "Join([model])" if isinstance(given, Joinable) else "Join([model, optimizer])"
+            raise TypeError(
+                f"Join(joinables={given!r:.80}): expected a list of Joinables, "
+                f"got {type(given).__name__}; pass them in a list, e.g. {hint}"
+            )
         if len(joinables) == 0:
             raise ValueError("Join(joinables=[]): the join context manager requires at least one joinable")
         for index, joinable in enumerate(joinables):
@@ -126,6 +142,12 @@ class Join:
         self._entered_hooks: list[JoinHook] = []
         self._done = False  # an early termination or abort was already agreed on
         self._entered = False
+        if liveness_timeout is not None and liveness_timeout.total_seconds() <= 0:
+            raise ValueError(
+                f"Join(liveness_timeout={liveness_timeout!r}): must be positive; pass None to turn it off"
+            )
+        self._liveness_timeout = liveness_timeout
+        self._liveness: LivenessWatchdog | None = None
 
     def __enter__(self) -> Self:
         if self._entered:
@@ -148,6 +170,9 @@ class Join:
             for hook in self._hooks:
                 hook.enter_hook()
                 self._entered_hooks.append(hook)
+            if self._liveness_timeout is not None and self._world_size > 1:
+                self._liveness = LivenessWatchdog(self._group, self._liveness_timeout)
+                self._liveness.start()
         except BaseException:
             self._leave()
             raise
@@ -164,14 +189,24 @@ class Join:
         try:
             if exc is None:
                 self._state = _State.JOINED
-                self._shadow_until_all_joined()
-            elif not self._done and isinstance(exc, Exception) and not isinstance(exc, dist.DistError):
+                try:
+                    self._shadow_until_all_joined()
+                except Exception as failure:
+                    self._raise_if_rank_lost(failure)
+                    raise
+            elif self._raise_if_rank_lost(exc):
+                pass
+            elif not self._done and not isinstance(exc, dist.DistError):
+                # A KeyboardInterrupt or SystemExit is news for the others just
+                # as an Exception is; this rank re-raises its own all the same.
                 self._abort(exc)
         finally:
             self._leave()
 
     def _leave(self) -> None:
         try:
+            if self._liveness is not None:
+                self._liveness.stop()
             while self._entered_hooks:
                 self._entered_hooks.pop().exit_hook()
         finally:
@@ -181,6 +216,16 @@ class Join:
                         del _registry[id(joinable)]
 
     # The rank's own side: joined or failing.
+
+    def _raise_if_rank_lost(self, failure: BaseException) -> bool:
+        """Raise RankLostError from ``failure`` if a collective failed because
+        a rank was lost; otherwise return False."""
+        if self._liveness is None or not _is_communication_failure(failure):
+            return False
+        lost = self._liveness.wait_for_verdict()
+        if lost:
+            raise RankLostError(lost) from failure
+        return False
 
     def _shadow_until_all_joined(self) -> None:
         is_last_joiner = True
@@ -224,7 +269,7 @@ class Join:
             )
         return self._last_total
 
-    def _abort(self, exc: Exception) -> None:
+    def _abort(self, exc: BaseException) -> None:
         """Tell the other ranks this one failed, within ABORT_TIMEOUT.
 
         The hooks' collectives run on a helper thread so that a peer that
@@ -244,7 +289,7 @@ class Join:
                 else:
                     # The failing rank's signal outweighs every training rank's.
                     self._beat(ABORT_TIMEOUT)
-                self._agree_on_abort(f"{type(exc).__name__}: {exc}")
+                self._agree_on_abort(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             except Exception as failure:  # noqa: BLE001 - the original exception matters more
                 logger.error("rank %d could not tell the other ranks that it failed: %s", self._rank, failure)
             finally:
@@ -369,6 +414,13 @@ class Join:
         if found is None:
             return total != 0
         return found[0]._on_total(total)
+
+
+def _is_communication_failure(error: BaseException) -> bool:
+    # gloo reports a broken connection as a plain RuntimeError naming itself.
+    return isinstance(error, (dist.DistError, ConnectionError, TimeoutError)) or (
+        isinstance(error, RuntimeError) and "gloo" in str(error)
+    )
 
 
 def _wait(work: dist.Work, timeout: timedelta | None, what: str) -> None:

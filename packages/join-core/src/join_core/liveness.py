@@ -1,0 +1,399 @@
+"""Liveness of the ranks of a Join: each proves it is alive through the
+rendezvous store, and a rank that stops doing so is named to every other.
+
+Why the store: it reaches every rank whatever else is in use (RPC or not),
+and it costs no collective, so healthy iterations stay at zero extra ones.
+
+How a waiting main thread gets unblocked: gloo ignores ``ProcessGroup.abort()``
+and ``shutdown()`` in torch 2.13 (a pending ``wait()`` goes on until the
+group's timeout), and ``work.wait(timeout)`` would only cover waits made
+through it, not a plain ``dist.broadcast``. What does end a pending gloo
+operation at once is an error on its connection. So each rank publishes the
+local addresses of its TCP connections when the Join starts; once a rank is
+judged lost, every other rank shuts down (``shutdown(2)``, not ``close``:
+gloo still owns the descriptor) its connections to those addresses. The
+pending operation fails with gloo's "Connection closed by peer", and
+:class:`join_core.Join` turns that into :class:`RankLostError` naming the
+lost rank. A rank still inside the Join shortly after a verdict (blocked on a
+survivor that already left) has its connections to every rank shut down too.
+Connections to the store are never touched. Finding the connections needs
+``/proc/self/fd`` (Linux); elsewhere a frozen rank is still named, but only
+once the waiting operation ends by itself.
+
+The store is unauthenticated, so what is read from it is only compared
+(heartbeats) or parsed into bounded lists of addresses, never unpickled; a
+stranger who can write to it can at worst make a rank look lost or alive.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from contextlib import suppress
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Final
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    # The class get_group_store() returns; torch.distributed does not re-export it to type checkers.
+    from torch._C._distributed_c10d import Store
+
+__all__ = ["DEFAULT_LIVENESS_TIMEOUT", "LivenessWatchdog", "RankLostError"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a rank may go without a heartbeat before the others call it lost.
+DEFAULT_LIVENESS_TIMEOUT: Final = timedelta(seconds=5)
+#: Heartbeats per timeout: a loss is told at most timeout * (1 + 1/this) after it.
+BEATS_PER_TIMEOUT: Final = 5
+#: After a verdict, how many heartbeat intervals the main thread gets to leave
+#: the Join before this rank's connections to every rank are shut down.
+ESCALATE_AFTER_BEATS: Final = 2
+
+_LEFT: Final = "left"
+_STORE_HOST: Final = "store"  # in a rank's published endpoints: its process serves the store
+_BEAT_BYTES: Final = 32  # a heartbeat is a short counter; longer values are cut
+_MAX_ENDPOINTS_BYTES: Final = 64 * 1024
+_MAX_ENDPOINTS: Final = 4096
+
+_Endpoint = tuple[str, int]
+
+# torch's stubs do not re-export the store classes it documents publicly.
+_PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
+_TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
+
+_joins_lock = threading.Lock()
+# group name -> Joins started on it by this process; every rank starts the
+# same Joins in the same order, so the count names one Join on every rank.
+_joins: dict[str, int] = {}
+
+
+class RankLostError(RuntimeError):
+    """Raised on every surviving rank of a Join when a rank died, froze or was
+    cut off: it stopped sending heartbeats for longer than the liveness timeout.
+
+    The process group can no longer be used; destroy it and restart the job
+    (torchrun restarts it with ``--max-restarts``).
+
+    Attributes:
+        ranks: each lost rank (in the Join's process group), with what was seen.
+    """
+
+    def __init__(self, ranks: dict[int, str]) -> None:
+        self.ranks = ranks
+        detail = "; ".join(f"rank {rank} ({seen})" for rank, seen in sorted(ranks.items()))
+        super().__init__(
+            f"Join aborted: lost {detail}; the process group cannot complete a collective any more: "
+            "destroy it and restart the job"
+        )
+
+
+class LivenessWatchdog:
+    """A thread that beats for this rank and watches the others' beats.
+
+    Every ``timeout / BEATS_PER_TIMEOUT`` it writes a counter under its key in
+    the group's store and reads the other ranks' counters. A rank whose counter
+    has not moved for ``timeout`` is lost: the verdict is recorded and the
+    connections to it are shut down (see the module's docstring). A rank not
+    seen yet is not judged (ranks may reach a Join far apart); one that left
+    its Join says so and is no longer watched.
+
+    Args:
+        group: the Join's process group.
+        timeout: how long a rank may go without a heartbeat.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta) -> None:
+        if timeout.total_seconds() <= 0:
+            raise ValueError(
+                f"Join(liveness_timeout={timeout!r}): must be positive; pass None to turn liveness off"
+            )
+        self._group = group
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+        self._timeout = timeout
+        self._interval = timeout.total_seconds() / BEATS_PER_TIMEOUT
+        name = group.group_name
+        with _joins_lock:
+            index = _joins.get(name, 0)
+            _joins[name] = index + 1
+        self._prefix = f"join_core/liveness/{index}/"
+        self._stop = threading.Event()
+        self._verdict_ready = threading.Event()
+        self._verdict: dict[int, str] = {}
+        self._store_port: int | None = None
+        self._thread = threading.Thread(target=self._run, name="join-liveness", daemon=True)
+
+    def start(self) -> None:
+        """Publish this rank's connections and first heartbeat, then beat and
+        watch in the background.
+
+        The first heartbeat is written before this returns, so that a rank
+        that freezes right after entering its Join is watched all the same."""
+        store = self._group.get_group_store()
+        self._store_port = _store_port(store)
+        # Endpoints first: a rank whose heartbeat is seen has published them.
+        published = _encode(_own_endpoints(self._store_port), _hosts_store(self._store_port))
+        store.set(self._endpoints_key(self._rank), published)
+        store.set(self._key(self._rank), "0")
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop, telling the other ranks this one left (not lost)."""
+        self._stop.set()
+        # The thread may be inside a store call; it ends by itself within the timeout.
+        self._thread.join(self._interval)
+
+    def lost(self) -> dict[int, str]:
+        """The lost ranks seen so far, with what was seen (empty while all are alive)."""
+        return dict(self._verdict) if self._verdict_ready.is_set() else {}
+
+    def wait_for_verdict(self) -> dict[int, str]:
+        """The lost ranks, waiting long enough for a rank that died just now
+        to be judged: call it when a collective failed."""
+        self._verdict_ready.wait(self._timeout.total_seconds() + 2 * self._interval)
+        return self.lost()
+
+    # The thread.
+
+    def _run(self) -> None:
+        try:
+            store = _own_client(self._group.get_group_store(), self._timeout)
+        except Exception as error:  # noqa: BLE001 - liveness is a safety net, not a requirement
+            logger.warning("Join: rank %d watches no liveness (no store client: %s)", self._rank, error)
+            return
+        own = self._key(self._rank)
+        try:
+            self._watch(store, self._store_port)
+        except Exception as error:  # noqa: BLE001 - see above; the main thread must not be disturbed
+            logger.warning("Join: rank %d stopped watching liveness: %s", self._rank, error)
+        finally:
+            with suppress(Exception):  # the store may be gone; nothing waits on this
+                store.set(own, _LEFT)
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}{rank}"
+
+    def _endpoints_key(self, rank: int) -> str:
+        return f"{self._prefix}endpoints/{rank}"
+
+    def _watch(self, store: Store, store_port: int | None) -> None:
+        others = [rank for rank in range(self._world_size) if rank != self._rank]
+        endpoints: dict[int, set[_Endpoint]] = {}
+        store_hosts: set[int] = set()  # ranks whose process serves the store
+        last: dict[int, bytes] = {}
+        moved: dict[int, float] = {}  # rank -> when its counter last moved
+        departed: set[int] = set()
+        timeout_s = self._timeout.total_seconds()
+        beat = 0
+        last_round = time.monotonic()
+        verdict_at: float | None = None
+        escalated = False
+        store_lost = False
+        first = True  # the first round at once: learn who serves the store early
+        while first or not self._stop.wait(self._interval):
+            first = False
+            now = time.monotonic()
+            if (
+                verdict_at is not None
+                and not escalated
+                and now - verdict_at > ESCALATE_AFTER_BEATS * self._interval
+            ):
+                # Still inside the Join: blocked on a survivor that already left it.
+                escalated = True
+                _shut_down(set().union(*endpoints.values()), store_port)
+            if store_lost:
+                continue  # nothing more to learn from it, and every call would fail again
+            try:
+                beat += 1
+                store.set(self._key(self._rank), str(beat))
+                for rank in others:
+                    if rank not in endpoints and store.check([self._key(rank)]):
+                        # Published before its first beat, so present now.
+                        endpoints[rank], hosts = _decode(store.get(self._endpoints_key(rank)))
+                        if hosts:
+                            store_hosts.add(rank)
+                        moved[rank] = now
+                watched = [rank for rank in endpoints if rank not in departed]
+                values = store.multi_get([self._key(rank) for rank in watched]) if watched else []
+            except Exception as error:  # noqa: BLE001 - any store failure counts against the store
+                # The call itself may have waited up to the timeout: judge from now.
+                now = time.monotonic()
+                if verdict_at is None and now - last_round > timeout_s:
+                    verdict_at = now
+                    quiet = now - last_round
+                    if store_hosts:  # most likely the rank that served it is gone
+                        lost = {
+                            rank: f"its rendezvous store has not answered for {quiet:.1f} s: "
+                            f"it died, froze or was cut off ({error})"
+                            for rank in store_hosts
+                        }
+                        peers = set().union(*(endpoints[rank] for rank in store_hosts))
+                    else:
+                        lost = {
+                            self._rank: f"this rank: cut off from the rendezvous store for {quiet:.1f} s "
+                            f"(this rank's network or the store's host failed): {error}"
+                        }
+                        peers = set().union(*endpoints.values())
+                    self._judge(lost, peers, store_port)
+                    store_lost = True
+                continue
+            if now - last_round > timeout_s / 2:
+                # This thread itself was held up (a loaded host, a stopped
+                # process resumed): nobody's silence can be judged from it.
+                moved = dict.fromkeys(moved, now)
+            last_round = now
+            for rank, value in zip(watched, values):
+                value = value[:_BEAT_BYTES]
+                if value == _LEFT.encode():
+                    departed.add(rank)
+                elif value != last.get(rank):
+                    last[rank] = value
+                    moved[rank] = now
+            if verdict_at is not None:
+                continue
+            silent = {rank: now - moved[rank] for rank in watched if rank not in departed}
+            lost = {
+                rank: f"no heartbeat for {quiet:.1f} s: it died, froze or was cut off"
+                for rank, quiet in silent.items()
+                if quiet > timeout_s
+            }
+            if lost:
+                verdict_at = now
+                self._judge(lost, set().union(*(endpoints[rank] for rank in lost)), store_port)
+
+    def _judge(self, lost: dict[int, str], peers: set[_Endpoint], store_port: int | None) -> None:
+        self._verdict = lost
+        self._verdict_ready.set()
+        logger.error("Join: rank %d: %s", self._rank, RankLostError(lost))
+        _shut_down(peers, store_port)
+
+
+def _own_client(store: Store, timeout: timedelta) -> Store:
+    """A connection of our own to the store, so that its timeout bounds only
+    our calls (a lost store must be noticed within the liveness timeout)."""
+    clone = getattr(store, "clone", None)  # torch's stubs lack Store.clone
+    if clone is None:
+        return store
+    own: Store = clone()
+    own.set_timeout(timeout)
+    return own
+
+
+def _store_port(store: Store) -> int | None:
+    while isinstance(store, _PrefixStore):
+        store = store.underlying_store
+    return store.port if isinstance(store, _TCPStore) else None
+
+
+def _normalize(host: str) -> str:
+    address = ipaddress.ip_address(host.split("%", 1)[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
+
+
+def _tcp_sockets() -> list[socket.socket]:
+    """Duplicates of this process's TCP sockets (Linux; empty elsewhere).
+    Shutting a duplicate down shuts the connection down for its owner too."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except (OSError, ValueError):
+            continue  # closed meanwhile, or not a socket after all
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+            found.append(sock)
+        else:
+            sock.close()
+    return found
+
+
+def _connections(store_port: int | None) -> list[tuple[socket.socket, _Endpoint, _Endpoint]]:
+    """This process's connected TCP sockets with (local, peer) endpoints,
+    leaving out those to or from the store."""
+    found = []
+    for sock in _tcp_sockets():
+        try:
+            local, peer = sock.getsockname(), sock.getpeername()
+            ends = (_normalize(local[0]), int(local[1])), (_normalize(peer[0]), int(peer[1]))
+        except (OSError, ValueError):
+            sock.close()  # a listener, or gone
+            continue
+        if store_port is not None and store_port in (ends[0][1], ends[1][1]):
+            sock.close()
+            continue
+        found.append((sock, *ends))
+    return found
+
+
+def _own_endpoints(store_port: int | None) -> list[_Endpoint]:
+    connections = _connections(store_port)
+    for sock, _, _ in connections:
+        sock.close()
+    return [local for _, local, _ in connections]
+
+
+def _shut_down(peers: set[_Endpoint], store_port: int | None) -> None:
+    count = 0
+    for sock, _, peer in _connections(store_port):
+        try:
+            if peer in peers:
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+        except OSError:
+            pass  # already closed by its owner
+        finally:
+            sock.close()
+    logger.info("Join: shut down %d connection(s) to lost or departed ranks", count)
+
+
+def _hosts_store(store_port: int | None) -> bool:
+    """Whether this process serves the store (has a listener on its port)."""
+    hosts = False
+    for sock in _tcp_sockets():
+        try:
+            if not hosts and store_port is not None and sock.getsockname()[1] == store_port:
+                try:
+                    sock.getpeername()
+                except OSError:
+                    hosts = True  # not connected: the listener
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return hosts
+
+
+def _encode(endpoints: list[_Endpoint], hosts_store: bool) -> str:
+    items = [f"{host},{port}" for host, port in endpoints[:_MAX_ENDPOINTS]]
+    return ";".join([_STORE_HOST, *items] if hosts_store else items)
+
+
+def _decode(raw: bytes) -> tuple[set[_Endpoint], bool]:
+    """Parse another rank's published endpoints, and whether it serves the
+    store, skipping anything malformed."""
+    found: set[_Endpoint] = set()
+    if len(raw) > _MAX_ENDPOINTS_BYTES:
+        return found, False
+    items = raw.decode("ascii", "replace").split(";")[: _MAX_ENDPOINTS + 1]
+    for item in items:
+        host, _, port = item.partition(",")
+        try:
+            number = int(port)
+            if 0 < number < 65536:
+                found.add((_normalize(host), number))
+        except ValueError:
+            continue
+    return found, _STORE_HOST in items

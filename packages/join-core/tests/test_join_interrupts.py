@@ -1,0 +1,57 @@
+"""Join when a rank is interrupted (KeyboardInterrupt, SystemExit) and when it
+is given something other than a list of joinables."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from counting_joinable import CountingJoinable
+
+from join_core import Join
+from join_core.testing import run_ranks
+
+CARRIES = pytest.mark.parametrize("carries", [False, True], ids=["heartbeat-allreduce", "heartbeat-carried"])
+
+
+def _interrupted(rank: int, world_size: int, carries: bool, how: str) -> tuple[str, str, float]:
+    joinable = CountingJoinable(carries)
+    start = time.monotonic()
+    try:
+        with Join([joinable]):
+            for i in range(6 if rank != 2 else 1):
+                if rank == 1 and i == 3:
+                    if how == "sigint":
+                        signal.raise_signal(signal.SIGINT)  # the handler Python installs: KeyboardInterrupt
+                    raise SystemExit(3)
+                joinable.step(1.0)
+    except BaseException as error:  # noqa: BLE001 - the test reports what each rank saw
+        return type(error).__name__, str(error), time.monotonic() - start
+    return "none", "", time.monotonic() - start
+
+
+@CARRIES
+@pytest.mark.parametrize("how", ["sigint", "system-exit"])
+def test_interrupt_on_one_rank_reaches_every_rank_at_once(carries: bool, how: str) -> None:
+    results = run_ranks(_interrupted, 3, carries, how, timeout=60)
+    expected = "KeyboardInterrupt" if how == "sigint" else "SystemExit"
+    assert results[1][0] == expected  # the interrupted rank keeps its own
+    reason = "KeyboardInterrupt" if how == "sigint" else "SystemExit: 3"
+    for rank in (0, 2):  # rank 2 had already joined
+        kind, message, elapsed = results[rank]
+        assert (kind, message) == ("JoinAbortedError", f"Join aborted: rank 1 raised {reason}")
+        assert elapsed < 10
+
+
+@pytest.mark.parametrize("joinables", [None, 3, "model", iter([])], ids=["none", "int", "str", "iterator"])
+def test_joinables_that_are_not_a_list_are_refused_by_name(joinables: object) -> None:
+    with pytest.raises(
+        TypeError, match=r"^Join\(joinables=.*\): expected a list of Joinables, got \w+; pass them"
+    ):
+        Join(joinables)  # type: ignore[arg-type]
+
+
+def test_a_single_joinable_is_told_to_go_in_a_list() -> None:
+    with pytest.raises(TypeError, match=r"got CountingJoinable; pass them in a list, e.g. Join\(\[model\]\)"):
+        Join(CountingJoinable(False))  # type: ignore[arg-type]

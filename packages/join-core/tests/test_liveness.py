@@ -1,0 +1,167 @@
+"""A rank that dies, freezes or goes quiet inside a Join: every other rank
+raises RankLostError naming it within seconds, and a slow rank is not lost."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from counting_joinable import CountingJoinable
+
+from join_core import Join, RankLostError
+from join_core.liveness import _decode
+from join_core.testing import RanksFailedError, run_ranks
+
+# torch's stubs do not re-export the store class it documents publicly.
+TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
+
+#: What the loss of a rank may take to be told, at the default liveness timeout.
+TOLD_WITHIN_S = 10.0
+
+
+def _pids(world_size: int) -> list[int]:
+    pids = torch.zeros(world_size, dtype=torch.int64)
+    pids[dist.get_rank()] = os.getpid()
+    dist.all_reduce(pids)
+    return [int(pid) for pid in pids]
+
+
+def _lose_rank(rank: int, world_size: int, carries: bool, how: str) -> None:
+    """Rank 2 is stopped or killed between iterations; the others check what
+    they see and, whatever it is, kill it so that nothing outlives the test."""
+    pids = _pids(world_size)
+    joinable = CountingJoinable(carries)
+    last_step = time.monotonic()
+    try:
+        with Join([joinable]):
+            for i in range(100_000):
+                if rank == 2 and i == 3:
+                    os.kill(os.getpid(), signal.SIGSTOP if how == "freeze" else signal.SIGKILL)
+                joinable.step(1.0)
+                last_step = time.monotonic()
+        raise AssertionError("the loop ended without noticing the lost rank")
+    except RankLostError as error:
+        told_after = time.monotonic() - last_step
+        assert list(error.ranks) == [2], str(error)
+        assert str(error).startswith("Join aborted: lost rank 2 (no heartbeat for "), str(error)
+        assert told_after < TOLD_WITHIN_S, f"told after {told_after:.1f} s"
+    finally:
+        if rank != 2:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[2], signal.SIGKILL)
+
+
+@pytest.mark.parametrize("carries", [False, True], ids=["heartbeat-allreduce", "heartbeat-carried"])
+@pytest.mark.parametrize("how", ["freeze", "kill"])
+def test_every_surviving_rank_names_a_lost_rank_within_seconds(carries: bool, how: str) -> None:
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_lose_rank, 3, carries, how, timeout=60)
+    # Only the lost rank failed: the survivors' own checks passed.
+    assert list(failed.value.failures) == [2], str(failed.value)
+    assert "exit code -9" in failed.value.failures[2]
+
+
+def _slow(rank: int, world_size: int) -> list[float]:
+    joinable = CountingJoinable(True)
+    with Join([joinable], liveness_timeout=timedelta(seconds=1)):
+        for i in range(4 + rank):
+            if rank == 1 and i == 1:
+                time.sleep(3)  # three timeouts of computation, heartbeats going on
+            joinable.step(1.0)
+    return joinable.sums
+
+
+def test_a_slow_rank_is_not_lost() -> None:
+    results = run_ranks(_slow, 2, timeout=60)
+    assert results[0] == [2.0] * 4 + [1.0, 0.0]
+
+
+def _bad_timeout(rank: int, world_size: int) -> str:
+    try:
+        Join([CountingJoinable(False)], liveness_timeout=timedelta(0))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_liveness_timeout_that_is_not_positive_is_refused() -> None:
+    [message] = run_ranks(_bad_timeout, 1)
+    assert message == (
+        "Join(liveness_timeout=datetime.timedelta(0)): must be positive; pass None to turn it off"
+    )
+
+
+def test_endpoints_read_from_the_store_are_parsed_defensively() -> None:
+    assert _decode(b"127.0.0.1,80;::ffff:10.0.0.1,9;garbage;1.2.3.4,0;1.2.3.4,70000;x,5;;") == (
+        {("127.0.0.1", 80), ("10.0.0.1", 9)},
+        False,
+    )
+    assert _decode(b"store;1.2.3.4,5") == ({("1.2.3.4", 5)}, True)
+    assert _decode(b"store;1.2.3.4,5;" * 10_000) == (set(), False)  # over the size limit: ignored
+    assert _decode(bytes(range(256))) == (set(), False)
+
+
+def _rank_serving_the_store(
+    rank: int, world_size: int, port: int, results: multiprocessing.Queue[str]
+) -> None:
+    """As launched by hand with MASTER_ADDR: rank 0's process serves the store,
+    and rank 0 is killed."""
+    try:
+        store = TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=60),
+            wait_for_workers=False,
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+        )
+        joinable = CountingJoinable(True)
+        last_step = start = time.monotonic()
+        with Join([joinable]):
+            for _ in range(1_000_000):
+                if rank == 0 and time.monotonic() - start > 2:
+                    os.kill(os.getpid(), signal.SIGKILL)  # mid-training
+                joinable.step(1.0)
+                last_step = time.monotonic()
+        results.put(f"rank {rank}: the loop ended without noticing the lost rank")
+    except RankLostError as error:
+        told_after = time.monotonic() - last_step
+        ok = list(error.ranks) == [0] and told_after < TOLD_WITHIN_S
+        results.put("ok" if ok else f"rank {rank}: told after {told_after:.1f} s: {error}")
+    except BaseException as error:  # noqa: BLE001 - reported to the test
+        results.put(f"rank {rank}: {type(error).__name__}: {error}")
+
+
+def test_the_rank_serving_the_store_is_named_when_lost() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = multiprocessing.get_context("forkserver")
+    results: multiprocessing.Queue[str] = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_serving_the_store, args=(rank, 3, port, results), daemon=True)
+        for rank in range(3)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        seen = [results.get(timeout=60) for _ in range(2)]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(timeout=10)
+        results.close()
+    assert seen == ["ok", "ok"]
+    assert procs[0].exitcode == -signal.SIGKILL
