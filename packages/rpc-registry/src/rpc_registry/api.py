@@ -35,6 +35,7 @@ from torch.futures import Future
 from . import rref as _rref
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 from .functions import is_async_execution
+from .grad_contexts import WITH_GRAD, GradContainer
 from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
 from .registry import _REGISTRY, BackendType, construct_rpc_backend_options, init_backend
 from .rref import RRef, RRefContext, completed, copy_outcome, fail
@@ -246,6 +247,7 @@ class _RpcState:
         self._send_wait: Callable[..., Message] | None = getattr(agent, "send_wait", None)
         self.deadlines = _Deadlines()
         self.rrefs = RRefContext(self)
+        self.grad = GradContainer(self._me, self.worker)
 
     @property
     def me(self) -> WorkerInfo:
@@ -274,16 +276,28 @@ class _RpcState:
         raise TypeError(f"to={to!r}: must be a worker name, a WorkerInfo or a worker id")
 
     # Encoding.
-    def encode(self, obj: object, dest: WorkerInfo) -> Future[Message]:
-        """Pickle ``obj`` for ``dest``; completes once forks it creates are known to their owners."""
+    def encode(
+        self, obj: object, dest: WorkerInfo, context_id: int | None = None, force: bool = False
+    ) -> Future[Message]:
+        """Pickle ``obj`` for ``dest``; completes once forks it creates are known to their owners.
+
+        Inside distributed autograd context ``context_id``, tensors that
+        require grad are recorded (see :mod:`rpc_registry.grad_contexts`);
+        ``force`` sends the context along even without such tensors.
+        """
         if _is_plain(obj, _PLAIN_BUDGET) >= 0:
             # Nothing in it can be a tensor or an RRef: the C pickler alone.
-            return completed(Message(_plain_payload(obj)))
+            message = Message(_plain_payload(obj))
+            if context_id is not None:
+                message = self.grad.on_send(context_id, message, dest, force)
+            return completed(message)
         buffer = io.BytesIO()
         buffer.write(bytes((_WITH_REFS,)))
         pickler = _Pickler(buffer, self.rrefs, dest)
         pickler.dump(obj)
         message = Message(buffer.getvalue(), tuple(pickler.tensors))
+        if context_id is not None:
+            message = self.grad.on_send(context_id, message, dest, force)
         if not pickler.forks:
             return completed(message)
         return self._after_forks(message, pickler)
@@ -310,7 +324,17 @@ class _RpcState:
         torch.futures.collect_all(registrations).add_done_callback(on_registered)
         return out
 
-    def decode(self, message: Message) -> Any:
+    def decode(self, message: Message, request: bool = False) -> tuple[Any, int | None]:
+        """The object in ``message`` and the autograd context it was sent in (if any).
+
+        A ``request`` creates that context here when it is new.
+        """
+        context_id = None
+        if message.payload[:1] == bytes((WITH_GRAD,)):
+            message, context_id = self.grad.on_receive(message, create=request)
+        return self._unpickle(message), context_id
+
+    def _unpickle(self, message: Message) -> Any:
         payload = message.payload
         kind = payload[0] if payload else -1
         if kind == _PLAIN:
@@ -320,9 +344,17 @@ class _RpcState:
         return _Unpickler(message, self.rrefs).load()
 
     # Caller side.
-    def request(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Future[Any]:
+    def request(
+        self, to: WorkerInfo, request: tuple[object, ...], timeout: float, in_context: bool = True
+    ) -> Future[Any]:
+        """Send ``request``; the future holds the decoded reply.
+
+        A request made inside a distributed autograd context carries it,
+        unless ``in_context=False`` (the autograd layer's own messages).
+        """
         result: Future[Any] = Future()
-        plain = to.name != self._me.name and _is_plain(request, _PLAIN_BUDGET) >= 0
+        context_id = self.grad.current_id() if in_context else None
+        plain = context_id is None and to.name != self._me.name and _is_plain(request, _PLAIN_BUDGET) >= 0
         if plain and self._send_then is not None:
             # The common case, without the futures of encoding (nothing in it is a tensor or
             # an RRef) and without a deadline here: the agent times send_then calls out.
@@ -342,7 +374,7 @@ class _RpcState:
                 self._settle(call, None, exc)
             return result
         try:
-            encoded = self.encode(request, to)
+            encoded = self.encode(request, to, context_id, force=True)
         except BaseException:
             self.deadlines.claim(call)
             raise
@@ -368,7 +400,12 @@ class _RpcState:
     def request_wait(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Any:
         """``request``'s result, waited for in this thread (its error raised)."""
         send_wait = self._send_wait
-        if send_wait is None or to.name == self._me.name or _is_plain(request, _PLAIN_BUDGET) < 0:
+        if (
+            send_wait is None
+            or to.name == self._me.name
+            or self.grad.current_id() is not None
+            or _is_plain(request, _PLAIN_BUDGET) < 0
+        ):
             return self.request(to, request, timeout).wait()
         # A plain call to a peer: the agent may read the reply in this thread.
         value, error = self._reply_value(send_wait(to, Message(_plain_payload(request)), timeout))
@@ -376,14 +413,16 @@ class _RpcState:
             raise error
         return value
 
-    def _call_now(self, request: tuple[Any, ...], sender: WorkerInfo) -> Future[Message]:
+    def _call_now(
+        self, request: tuple[Any, ...], sender: WorkerInfo, context_id: int | None = None
+    ) -> Future[Message]:
         """Run a plain call in this thread and encode its reply (no future until the reply)."""
         _, func, args, kwargs = request
         try:
             payload: tuple[object, ...] = ("ok", func(*args, **kwargs))
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             payload = _failure(exc)
-        return self._encode_reply(payload, sender)
+        return self._encode_reply(payload, sender, context_id)
 
     def _settle(self, call: _Call, value: object, error: BaseException | None) -> None:
         result = self.deadlines.claim(call)
@@ -418,7 +457,7 @@ class _RpcState:
         if isinstance(outcome, BaseException):
             return None, outcome
         try:
-            status, *body = self.decode(outcome)
+            (status, *body), _ = self.decode(outcome)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             return None, exc
         if status == "ok":
@@ -440,6 +479,9 @@ class _RpcState:
         rref_id = self.rrefs.new_id()
         if to == self._me:
             value = self.rrefs.create_owned(rref_id, None)
+            context_id = self.grad.current_id()
+            if context_id is not None:
+                func = self.grad.bind(context_id, func)
             self.run(func, args, kwargs).add_done_callback(lambda f: copy_outcome(f, value))
             return RRef._make(self.rrefs, to, rref_id, None, None)
         fork_id = self.rrefs.new_id()
@@ -454,19 +496,23 @@ class _RpcState:
         agent's ``handler_may_block``), else on this module's worker threads.
         """
         inline = self.inline if inline is None else inline
+        context_id = None
         try:
-            request = self.decode(message)
+            request, context_id = self.decode(message, request=True)
+            if context_id is not None and request[0] in ("call", "remote"):
+                # The called function runs inside the caller's context: its own calls join it.
+                request = (request[0], self.grad.bind(context_id, request[1]), *request[2:])
             if inline and request[0] == "call" and not is_async_execution(request[1]):
-                return self._call_now(request, sender)
+                return self._call_now(request, sender, context_id)
             outcome = self._dispatch(request, inline)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             outcome = Future()
             fail(outcome, exc)
         if outcome.done():
-            return self._reply(outcome, sender)
+            return self._reply(outcome, sender, context_id)
         reply: Future[Message] = Future()
         outcome.add_done_callback(
-            lambda f: self._reply(f, sender).add_done_callback(lambda e: copy_outcome(e, reply))
+            lambda f: self._reply(f, sender, context_id).add_done_callback(lambda e: copy_outcome(e, reply))
         )
         return reply
 
@@ -490,16 +536,18 @@ class _RpcState:
             return completed(None)
         raise ValueError(f"unknown request kind {kind!r}")
 
-    def _reply(self, outcome: Future[Any], dest: WorkerInfo) -> Future[Message]:
+    def _reply(self, outcome: Future[Any], dest: WorkerInfo, context_id: int | None) -> Future[Message]:
         try:
             payload: tuple[object, ...] = ("ok", outcome.value())
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             payload = _failure(exc)
-        return self._encode_reply(payload, dest)
+        return self._encode_reply(payload, dest, context_id)
 
-    def _encode_reply(self, payload: tuple[object, ...], dest: WorkerInfo) -> Future[Message]:
+    def _encode_reply(
+        self, payload: tuple[object, ...], dest: WorkerInfo, context_id: int | None = None
+    ) -> Future[Message]:
         try:
-            return self.encode(payload, dest)
+            return self.encode(payload, dest, context_id)
         except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
             return self.encode(_failure(exc), dest)
 
@@ -536,6 +584,7 @@ class _RpcState:
             self.agent.shutdown()
         finally:
             self.rrefs.close()
+            self.grad.clear()
             self.deadlines.stop()
             self.executor.shutdown(wait=False, cancel_futures=True)
 

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["RRef"]
 
 T = TypeVar("T")
+# An RRef only hands its value out: RRef[Parameter] is an RRef[Tensor].
+T_co = TypeVar("T_co", covariant=True)
 RRefId = tuple[int, int]
 ForkId = tuple[int, int]
 WireRRef = tuple[WorkerInfo, RRefId, ForkId | None]
@@ -301,7 +303,7 @@ def set_context(ctx: RRefContext | None) -> None:
     _CONTEXT = ctx
 
 
-class RRef(Generic[T]):
+class RRef(Generic[T_co]):
     """A reference to a value owned by one worker of the RPC group.
 
     ``RRef(value)`` makes this worker the owner of ``value``; ``remote()``
@@ -324,7 +326,7 @@ class RRef(Generic[T]):
     _created: Future[Any] | None
     _released: bool
 
-    def __init__(self, value: T) -> None:
+    def __init__(self, value: T_co) -> None:
         ctx = _context()
         rref_id = ctx.new_id()
         ctx.create_owned(rref_id, None).set_result(value)
@@ -383,7 +385,7 @@ class RRef(Generic[T]):
             return False
         return True
 
-    def local_value(self) -> T:
+    def local_value(self) -> T_co:
         """The value itself; only on the owner."""
         if not self.is_owner():
             raise RuntimeError(
@@ -391,19 +393,19 @@ class RRef(Generic[T]):
                 f"{self._ctx.me.name}; call to_here() to fetch a copy"
             )
         timeout = self._ctx.runtime.resolve_timeout(-1)
-        value: T = wait_for(self._ctx.value_of(self._rref_id), timeout, f"value of {self!r}")
+        value: T_co = wait_for(self._ctx.value_of(self._rref_id), timeout, f"value of {self!r}")
         return value
 
-    def to_here(self, timeout: float = -1.0) -> T:
+    def to_here(self, timeout: float = -1.0) -> T_co:
         """A copy of the value, fetched from the owner (``timeout``: ``-1`` default, ``0`` none)."""
         runtime = self._ctx.runtime
         seconds = runtime.resolve_timeout(timeout)
         if self.is_owner():
-            value: T = wait_for(self._ctx.value_of(self._rref_id), seconds, f"value of {self!r}")
+            value: T_co = wait_for(self._ctx.value_of(self._rref_id), seconds, f"value of {self!r}")
             return value
         if self._created is not None and self._created.done():
             self._created.wait()  # a failed creation is reported here, as torch does
-        fetched: T = runtime.request(self._owner, ("fetch", self._rref_id), seconds).wait()
+        fetched: T_co = runtime.request(self._owner, ("fetch", self._rref_id), seconds).wait()
         return fetched
 
     def rpc_sync(self, timeout: float = -1.0) -> RRefProxy:
