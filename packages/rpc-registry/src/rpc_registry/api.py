@@ -43,8 +43,13 @@ from .rref import RRef, RRefContext, completed, copy_outcome, fail
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "AllGatherStates",
+    "enable_gil_profiling",
+    "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "is_available",
+    "method_factory",
     "remote",
     "rpc_async",
     "rpc_sync",
@@ -808,8 +813,56 @@ def get_worker_info(name: str | None = None, *, worker_name: str | None = None) 
 
 
 def _check_callable(func: object) -> None:
+    if isinstance(func, (torch.jit.ScriptFunction, torch.jit.ScriptModule)):
+        raise TypeError(
+            f"func={_name_of(func)}: TorchScript functions are not supported as RPC targets "
+            "(TorchScript is deprecated in torch); pass the plain Python function instead "
+            "(the one decorated with @torch.jit.script)"
+        )
     if not callable(func):
         raise TypeError(f"func={func!r}: must be callable (a function importable by the callee)")
+
+
+def is_available() -> bool:
+    """Whether RPC can be used: always, this package needs no compiled extension (torch's name)."""
+    return True
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of calls on this worker, in seconds (the agent's ``rpc_timeout``)."""
+    return _current().agent.rpc_timeout
+
+
+def enable_gil_profiling(flag: bool) -> None:
+    """torch's switch for measuring GIL wait times in its C++ agent.
+
+    This package has no such measurement: ``flag=False`` (torch's default)
+    is accepted, ``flag=True`` raises ``NotImplementedError``.
+    """
+    if flag:
+        raise NotImplementedError(
+            "enable_gil_profiling(True): rpc_registry does not measure GIL wait times; "
+            "profile with torch.profiler or py-spy instead"
+        )
+
+
+class AllGatherStates:
+    """The per-round state of an all-gather over RPC: what arrived, and the signal to go on."""
+
+    def __init__(self) -> None:
+        self.gathered_objects: dict[str, object] = {}
+        self.proceed_signal = threading.Event()
+
+
+def method_factory(method_name: str, docstring: str | None) -> Callable[..., Any]:
+    """A function that calls ``RRef.<method_name>`` on its first argument, documented by ``docstring``."""
+
+    def method(self: RRef[Any], *args: Any, **kwargs: Any) -> Any:
+        return getattr(RRef, method_name)(self, *args, **kwargs)
+
+    method.__name__ = method_name
+    method.__doc__ = docstring
+    return method
 
 
 def rpc_async(
