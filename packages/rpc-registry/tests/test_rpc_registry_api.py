@@ -226,3 +226,13 @@ def test_local_rref_is_owned_here() -> None:
     assert rref.is_owner() and rref.local_value() is value
     assert rref.owner() == get_worker_info()
     assert rpc_sync("w1", value_via_to_here, args=(rref,)) == 2
+
+
+def test_to_here_right_after_remote_whose_arguments_fork_an_rref() -> None:
+    # The creation waits for w2 to learn of the fork; the fetch must not overtake it.
+    for _ in range(5):
+        held = remote("w2", make_tracked, args=(4,))
+        result = remote("w1", value_via_to_here, args=(held,))
+        assert result.to_here() == 4
+        assert result.rpc_sync().bit_length() == 3
+        del held, result

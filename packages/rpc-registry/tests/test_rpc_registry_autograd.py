@@ -178,7 +178,7 @@ def test_remote_error_in_backward_reaches_caller_with_remote_traceback() -> None
     with dist_autograd.context() as context_id:
         loss = rpc_sync("w2", fails_in_backward, args=(x,)).sum()
         with pytest.raises(
-            RuntimeError, match=r"Error on Node 2 \(w2\): simulated error in backward"
+            RuntimeError, match=r"Error on Node 2: simulated error in backward \(on w2\)"
         ) as info:
             dist_autograd.backward(context_id, [loss])
     notes = "".join(getattr(info.value, "__notes__", []))

@@ -199,7 +199,7 @@ def _run_pass(
                     allow_unused=True,
                 )
             except Exception as exc:
-                raise RuntimeError(f"Error on Node {me.id} ({me.name}): {exc}") from exc
+                raise RuntimeError(f"Error on Node {me.id}: {exc} (on {me.name})") from exc
             reached.extend((leaf, grad) for leaf, grad in zip(leaves, found) if grad is not None)
     to_senders: dict[tuple[str, int], tuple[WorkerInfo, dict[int, torch.Tensor]]] = {}
     for leaf, grad in reached:

@@ -403,10 +403,18 @@ class RRef(Generic[T_co]):
         if self.is_owner():
             value: T_co = wait_for(self._ctx.value_of(self._rref_id), seconds, f"value of {self!r}")
             return value
-        if self._created is not None and self._created.done():
-            self._created.wait()  # a failed creation is reported here, as torch does
+        self._wait_created(seconds)
         fetched: T_co = runtime.request(self._owner, ("fetch", self._rref_id), seconds).wait()
         return fetched
+
+    def _wait_created(self, timeout: float) -> None:
+        """Wait until the owner holds the value (a failed creation is raised here, as torch does).
+
+        A message that carries forks of other RRefs waits for their owners
+        before it goes out, so a later request could overtake the creation.
+        """
+        if self._created is not None:
+            wait_for(self._created, timeout, f"creation of {self!r} on {self._owner.name}")
 
     def rpc_sync(self, timeout: float = -1.0) -> RRefProxy:
         """Proxy whose methods run ``rpc_sync`` of the value's method on the owner."""
@@ -455,6 +463,7 @@ class RRefProxy:
         def call(*args: Any, **kwargs: Any) -> Any:
             runtime = rref._ctx.runtime
             seconds = runtime.resolve_timeout(timeout)
+            rref._wait_created(seconds)
             payload = (_invoke_rref_method, (rref, name, *args), kwargs)
             if mode == "remote":
                 return runtime.remote(rref._owner, *payload, seconds)
