@@ -236,3 +236,13 @@ def test_to_here_right_after_remote_whose_arguments_fork_an_rref() -> None:
         assert result.to_here() == 4
         assert result.rpc_sync().bit_length() == 3
         del held, result
+
+
+def test_sparse_tensors_travel_as_arguments_and_results() -> None:
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[0, 2, 2], [1, 0, 0]]), torch.tensor([1.0, 2.0, 3.0]), (3, 2), check_invariants=True
+    )
+    doubled = rpc_sync("w1", torch.add, args=(sparse, sparse))
+    assert doubled.layout == torch.sparse_coo
+    assert torch.equal(doubled.to_dense(), (sparse + sparse).to_dense())
+    assert torch.equal(rpc_sync("w2", torch.Tensor.to_dense, args=(sparse,)), sparse.to_dense())

@@ -90,6 +90,12 @@ class _Pickler(pickle.Pickler):
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
+            if obj.layout == torch.sparse_coo:
+                # Agents move dense tensors: a sparse one travels as its indices and values.
+                coalesced = obj.coalesce()
+                first = len(self.tensors)
+                self.tensors += [coalesced.indices(), coalesced.values()]
+                return ("sparse_coo", (first, tuple(obj.shape)))
             self.tensors.append(obj)
             return ("tensor", len(self.tensors) - 1)
         if isinstance(obj, RRef):
@@ -110,6 +116,11 @@ class _Unpickler(pickle.Unpickler):
         kind, data = pid
         if kind == "tensor":
             return self.message.tensors[data]
+        if kind == "sparse_coo":
+            first, shape = data
+            indices, values = self.message.tensors[first : first + 2]
+            # Checked: indices out of range would otherwise corrupt memory later.
+            return torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True, check_invariants=True)
         if kind == "rref":
             return self.ctx.from_wire(data)
         raise pickle.UnpicklingError(f"unknown persistent id kind {kind!r}")
