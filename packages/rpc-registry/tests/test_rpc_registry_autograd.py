@@ -109,6 +109,16 @@ def test_gradients_of_one_remote_call_equal_local_autograd() -> None:
         _assert_grads(dist_autograd.get_gradients(context_id), [x, y], want)
 
 
+def test_hooks_of_a_leaf_sent_by_rpc_see_its_gradient() -> None:
+    x, y = _leaves(8)
+    x.register_hook(lambda grad: grad * 3)
+    want = _local_grads((mul_add(x, y) * y).sum(), [x, y])
+    with dist_autograd.context() as context_id:
+        loss = (rpc_sync("w2", mul_add, args=(x, y)) * y).sum()
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(dist_autograd.get_gradients(context_id), [x, y], want)
+
+
 def test_gradients_through_nested_calls_a_b_c_d() -> None:
     x, y = _leaves(1)
     want = _local_grads(chain_here(3, x, y).sum(), [x, y])

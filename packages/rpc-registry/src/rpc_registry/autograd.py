@@ -186,7 +186,8 @@ def _run_pass(
     inner: list[tuple[torch.Tensor, torch.Tensor]] = []
     for out, grad in zip(outputs, grads):
         if out.requires_grad:
-            (reached if out.grad_fn is None else inner).append((out, grad))
+            # A leaf goes through a view of itself, so that its hooks see the gradient.
+            inner.append((out if out.grad_fn is not None else out.view_as(out), grad))
     if inner:
         leaves = _leaves([out for out, _ in inner])
         if leaves:
