@@ -278,13 +278,14 @@ def run(cases: list[Case], timeout: float, verbose: bool) -> Iterator[tuple[Case
     pool = Pool()
     try:
         for case in cases:
+            started = time.monotonic()
             pool, status, details = _run_case(pool, case, timeout)
             if status == "fail":
                 # Once more in fresh processes: the first failure may be an earlier test's leftovers.
                 pool.close(graceful=False)
                 pool, status, details = _run_case(Pool(), case, timeout)
             if verbose:
-                print(f"{status:4} {case.name}", flush=True)
+                print(f"{status:4} {case.name} ({time.monotonic() - started:.1f} s)", flush=True)
             yield case, status, details
     finally:
         pool.close()
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", action="append", choices=sorted(SUITES), help="default: all")
     parser.add_argument("-k", dest="pattern", help="only tests whose name contains this")
     parser.add_argument("--list", action="store_true", help="list the tests and why some are not applicable")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per test (default 60)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per test (default 120)")
     parser.add_argument("--min-pass", type=float, default=0.95, help="fail below this share (default 0.95)")
     parser.add_argument("--report", type=Path, help="write every failure's traceback to this file")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -308,7 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(applicable)} of {len(cases)} tests are applicable")
         return 0
     start = time.monotonic()
-    results = list(run(applicable, args.timeout, args.verbose))
+    if args.report:
+        args.report.write_text("")
+    results = []
+    for case, status, details in run(applicable, args.timeout, args.verbose):
+        results.append((case, status, details))
+        if args.report and status == "fail":
+            with args.report.open("a") as report:  # as they happen: a long run can be read while it goes
+                report.write(f"== {case.name}\n{details}\n")
     failures = [(case, details) for case, status, details in results if status == "fail"]
     skipped = sum(1 for _, status, _ in results if status == "skip")
     counted = len(results) - skipped
@@ -316,8 +324,6 @@ def main(argv: list[str] | None = None) -> int:
     for case, details in failures:
         last = details.strip().splitlines()[-1] if details.strip() else "?"
         print(f"FAILED {case.name}: {last}")
-    if args.report:
-        args.report.write_text("".join(f"== {case.name}\n{details}\n" for case, details in failures))
     print(
         f"{passed} of {counted} applicable tests passed ({skipped} skipped at run time, "
         f"{len(cases) - len(applicable)} not applicable) in {time.monotonic() - start:.0f} s"
