@@ -6,10 +6,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.futures import Future
 
 import rpc_registry.autograd as dist_autograd
 from rpc_registry import RRef, rpc_sync
 from rpc_registry.api import _current
+from rpc_registry.functions import async_execution
 
 
 def mul_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -96,3 +98,8 @@ class Stage(nn.Module):
 
 def module_state(module: RRef[nn.Module]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.local_value().state_dict().items()}
+
+
+@async_execution
+def returns_no_future() -> Future[int]:
+    return 3  # type: ignore[return-value]

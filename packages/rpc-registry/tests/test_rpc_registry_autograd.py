@@ -20,13 +20,14 @@ from dist_autograd_cases import (
     module_state,
     mul_add,
     param_grad,
+    returns_no_future,
     scale_by_param,
     use_rref,
 )
 from rpcreg_socket_agent import SocketOptions, run_worker, socket_backend
 
 import rpc_registry.autograd as dist_autograd
-from rpc_registry import init_rpc, remote, rpc_async, rpc_sync, shutdown
+from rpc_registry import RRef, init_rpc, remote, rpc_async, rpc_sync, shutdown
 from rpc_registry.nn import RemoteModule
 from rpc_registry.optim import DistributedOptimizer
 
@@ -207,6 +208,24 @@ def test_context_is_released_on_every_worker_it_reached() -> None:
         dist_autograd.get_gradients(context_id)
 
 
+def test_rref_backward_runs_on_the_owner_locally_or_in_a_context() -> None:
+    (x,) = _leaves(9, 1)
+    RRef((x * 2).sum()).backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    x.grad = None
+    with dist_autograd.context() as context_id:
+        owned_by_w1 = remote("w1", mul_add, args=(x, x)).remote().sum()
+        owned_by_w1.backward(context_id, retain_graph=True)
+        owned_by_w1.backward(context_id)
+        want = _local_grads(mul_add(x, x).sum(), [x])
+        _assert_grads(dist_autograd.get_gradients(context_id), [x], [want[0] * 2])
+    with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for \.backward\(\)"):
+        RRef("foo").backward()
+    with pytest.raises(RuntimeError, match="a local backward pass needs the owner"):
+        owned_by_w1.backward()
+
+
 def test_context_ids_carry_the_worker_id_and_do_not_nest() -> None:
     with dist_autograd.context() as context_id:
         assert context_id >> 48 == 0
@@ -285,3 +304,10 @@ def _module_param_grads(module: object, context_id: int) -> list[torch.Tensor]:
 def test_remote_module_rejects_a_malformed_remote_device() -> None:
     with pytest.raises(ValueError, match=r"remote_device='w1/'"):
         RemoteModule("w1/", Stage, args=(4, 3), kwargs={"seed": 5})
+
+
+def test_async_execution_without_a_future_gets_torchs_error() -> None:
+    with pytest.raises(
+        RuntimeError, match=r"must return a torch\.futures\.Future object, but .*returns_no_future"
+    ):
+        rpc_sync("w1", returns_no_future)

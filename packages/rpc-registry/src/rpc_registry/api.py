@@ -582,9 +582,11 @@ class _RpcState:
                 elif callable(getattr(result, "add_done_callback", None)):
                     result.add_done_callback(lambda f: copy_outcome(f, out))
                 else:
-                    raise TypeError(
-                        f"{_name_of(func)} is decorated with @async_execution but returned "
-                        f"{type(result).__qualname__}, not a torch.futures.Future"
+                    # torch's wording, which callers may match.
+                    raise RuntimeError(
+                        "Functions decorated with @rpc.async_function must return a "
+                        f"torch.futures.Future object, but {_name_of(func)} (decorated with "
+                        f"@async_execution) returned {type(result).__qualname__}"
                     )
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 fail(out, exc)
@@ -655,8 +657,8 @@ def _choose_backend(backend: BackendType | None, options: RpcBackendOptions | No
                     )
                 return candidate
         raise TypeError(
-            f"rpc_backend_options={options!r}: no registered backend builds options of type "
-            f"{type(options).__qualname__}; pass backend= explicitly"
+            f"Could not infer backend for options {options!r}: no registered backend builds "
+            f"options of type {type(options).__qualname__}; pass backend= explicitly"
         )
     default = _REGISTRY.get("TENSORPIPE")
     if default is None:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
+import torch
 from torch.futures import Future
 from typing_extensions import Protocol
 
@@ -416,6 +417,32 @@ class RRef(Generic[T_co]):
         if self._created is not None:
             wait_for(self._created, timeout, f"creation of {self!r} on {self._owner.name}")
 
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Backward from the value (a scalar tensor) as the root, on its owner.
+
+        With ``dist_autograd_ctx_id`` it is a distributed backward pass of
+        that context (see :mod:`rpc_registry.autograd`); without it, a local
+        ``Tensor.backward`` on the owner, which must be this worker.
+        """
+        if dist_autograd_ctx_id == -1:
+            if not self.is_owner():
+                raise RuntimeError(
+                    f"{self!r}.backward(): a local backward pass needs the owner; it is "
+                    f"{self._owner.name}, pass dist_autograd_ctx_id for a distributed one"
+                )
+            _backward_value(self, -1, retain_graph)
+            return
+        timeout = self._ctx.runtime.resolve_timeout(-1)
+        if self.is_owner():
+            _backward_value(self, dist_autograd_ctx_id, retain_graph)
+        else:
+            self._wait_created(timeout)
+            self._ctx.runtime.request(
+                self._owner,
+                ("call", _backward_value, (self, dist_autograd_ctx_id, retain_graph), {}),
+                timeout,
+            ).wait()
+
     def rpc_sync(self, timeout: float = -1.0) -> RRefProxy:
         """Proxy whose methods run ``rpc_sync`` of the value's method on the owner."""
         return RRefProxy(self, "sync", timeout)
@@ -471,6 +498,20 @@ class RRefProxy:
             return fut.wait() if mode == "sync" else fut
 
         return call
+
+
+def _backward_value(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
+    value = rref.local_value()
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(
+            f"RRef should contain a tensor for .backward(), but {rref!r} holds {type(value).__qualname__}"
+        )
+    if context_id == -1:
+        value.backward(retain_graph=retain_graph)
+        return
+    from . import autograd  # imported here: autograd builds on this module
+
+    autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 
 @async_execution
