@@ -151,8 +151,8 @@ def torch_jit_types() -> tuple[type, ...]:
     return (torch.jit.ScriptFunction, torch.jit.ScriptModule)
 
 
-def collect(suites: list[str], pattern: str | None) -> list[Case]:
-    """The tests of ``suites`` (their names containing ``pattern``), each with its applicability."""
+def collect(suites: list[str], patterns: list[str] | None) -> list[Case]:
+    """The tests of ``suites`` (their names containing one of ``patterns``), each with its applicability."""
     torch_suites_shim.install()
     cases = []
     for suite in suites:
@@ -160,7 +160,7 @@ def collect(suites: list[str], pattern: str | None) -> list[Case]:
         for cls_name in SUITES[suite]:
             cls = getattr(module, cls_name)
             for method in sorted(name for name in dir(cls) if name.startswith("test_")):
-                if pattern and pattern not in method:
+                if patterns and not any(pattern in method for pattern in patterns):
                     continue
                 fn = getattr(cls, method)
                 cases.append(Case(suite, cls_name, method, _reason(cls, fn, set())))
@@ -294,14 +294,16 @@ def run(cases: list[Case], timeout: float, verbose: bool) -> Iterator[tuple[Case
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", action="append", choices=sorted(SUITES), help="default: all")
-    parser.add_argument("-k", dest="pattern", help="only tests whose name contains this")
+    parser.add_argument(
+        "-k", dest="patterns", action="append", help="only tests whose name contains this (repeatable: any)"
+    )
     parser.add_argument("--list", action="store_true", help="list the tests and why some are not applicable")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per test (default 120)")
     parser.add_argument("--min-pass", type=float, default=0.95, help="fail below this share (default 0.95)")
     parser.add_argument("--report", type=Path, help="write every failure's traceback to this file")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
-    cases = collect(args.suite or sorted(SUITES), args.pattern)
+    cases = collect(args.suite or sorted(SUITES), args.patterns)
     applicable = [case for case in cases if case.reason is None]
     if args.list:
         for case in cases:
