@@ -103,3 +103,15 @@ def module_state(module: RRef[nn.Module]) -> dict[str, torch.Tensor]:
 @async_execution
 def returns_no_future() -> Future[int]:
     return 3  # type: ignore[return-value]
+
+
+class TwoArgumentError(Exception):
+    """An exception that pickle cannot rebuild (its __init__ takes two arguments)."""
+
+    def __init__(self, flag: bool, message: str) -> None:
+        self.flag = flag
+        super().__init__(message)
+
+
+def raise_two_argument_error() -> None:
+    raise TwoArgumentError(True, "cannot come back as it is")

@@ -20,6 +20,7 @@ from dist_autograd_cases import (
     module_state,
     mul_add,
     param_grad,
+    raise_two_argument_error,
     returns_no_future,
     scale_by_param,
     use_rref,
@@ -311,3 +312,9 @@ def test_async_execution_without_a_future_gets_torchs_error() -> None:
         RuntimeError, match=r"must return a torch\.futures\.Future object, but .*returns_no_future"
     ):
         rpc_sync("w1", returns_no_future)
+
+
+def test_remote_exception_that_cannot_be_rebuilt_arrives_as_runtime_error() -> None:
+    with pytest.raises(RuntimeError, match="Original exception on remote side was TwoArgumentError") as info:
+        rpc_sync("w2", raise_two_argument_error)
+    assert "cannot come back as it is" in str(info.value)

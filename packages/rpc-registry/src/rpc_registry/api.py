@@ -245,7 +245,11 @@ def _failure(exc: BaseException) -> tuple[str, object, str]:
         pickle.loads(pickle.dumps(exc))
         error: object = exc
     except Exception:  # noqa: BLE001 - any exception that does not round-trip is replaced
-        error = RuntimeError(f"{type(exc).__qualname__}: {exc}")
+        # torch's wording, which callers may match.
+        error = RuntimeError(
+            f"Original exception on remote side was {type(exc).__qualname__}: {exc} "
+            "(it cannot be rebuilt on the caller; the remote traceback is in the notes)"
+        )
     return ("err", error, text)
 
 
