@@ -318,3 +318,19 @@ def test_remote_exception_that_cannot_be_rebuilt_arrives_as_runtime_error() -> N
     with pytest.raises(RuntimeError, match="Original exception on remote side was TwoArgumentError") as info:
         rpc_sync("w2", raise_two_argument_error)
     assert "cannot come back as it is" in str(info.value)
+
+
+def test_function_the_callee_cannot_import_gets_torchs_error() -> None:
+    import dist_autograd_cases
+
+    def local_only() -> int:
+        return 1
+
+    local_only.__module__ = "dist_autograd_cases"
+    local_only.__qualname__ = "not_on_the_callee"
+    dist_autograd_cases.not_on_the_callee = local_only  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(RuntimeError, match="RPC pickler does not serialize function code: w1 could not"):
+            rpc_sync("w1", local_only)
+    finally:
+        del dist_autograd_cases.not_on_the_callee  # type: ignore[attr-defined]

@@ -518,7 +518,15 @@ class _RpcState:
         inline = self.inline if inline is None else inline
         context_id = None
         try:
-            request, context_id = self.decode(message, request=True)
+            try:
+                request, context_id = self.decode(message, request=True)
+            except (AttributeError, ImportError, pickle.UnpicklingError) as exc:
+                # torch's wording first, which callers may match.
+                raise RuntimeError(
+                    "RPC pickler does not serialize function code: "
+                    f"{self._me.name} could not load the request of {sender.name} "
+                    f"({type(exc).__name__}: {exc}); define the function in a module both import"
+                ) from exc
             if context_id is not None and request[0] in ("call", "remote"):
                 # The called function runs inside the caller's context: its own calls join it.
                 request = (request[0], self.grad.bind(context_id, request[1]), *request[2:])
