@@ -77,3 +77,17 @@ def test_method_factory_calls_the_rref_method() -> None:
     method = rpc_registry.method_factory("owner_name", "the owner's name")
     assert method.__doc__ == "the owner's name"
     assert method.__name__ == "owner_name"
+
+
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("abc*", "Worker name must match"),
+        (" ", "Worker name must match"),
+        ("", "must be non-empty"),
+        ("a" * 500, "shorter than 128"),
+    ],
+)
+def test_worker_info_rejects_names_torch_rejects(name: str, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        rpc_registry.WorkerInfo(name, 0)
