@@ -174,8 +174,16 @@ def _test_class(suite: str, cls_name: str) -> type:
         TensorPipeRpcAgentTestFixture,
     )
 
+    name = f"Shim{cls_name}"
+    known = getattr(torch_suites_shim, name, None)
+    if isinstance(known, type):
+        return known
     base = getattr(importlib.import_module(f"{PACKAGE}.{suite}"), cls_name)
-    return type(f"Shim{cls_name}", (base, TensorPipeRpcAgentTestFixture, MultiProcessTestCase), {})
+    cls = type(name, (base, TensorPipeRpcAgentTestFixture, MultiProcessTestCase), {})
+    # Some tests send their bound methods by RPC: the class must be importable by name everywhere.
+    cls.__module__ = torch_suites_shim.__name__
+    setattr(torch_suites_shim, name, cls)
+    return cls
 
 
 def _run_here(rank: int, case: tuple[str, str, str], file_name: str) -> tuple[str, str]:

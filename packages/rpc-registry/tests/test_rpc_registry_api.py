@@ -168,8 +168,20 @@ def test_remote_value_lives_on_owner() -> None:
 
 def test_local_value_on_a_user_raises_and_names_the_owner() -> None:
     rref = remote("w1", make_tracked, args=(1,))
-    with pytest.raises(RuntimeError, match=r"lives on w1.*to_here"):
+    with pytest.raises(RuntimeError, match=r"Call it on owner WorkerInfo\(id=1, name=w1\).*to_here"):
         rref.local_value()
+
+
+def test_rref_string_forms_are_torchs() -> None:
+    owned = RRef(1)
+    assert str(owned) == f"OwnerRRef(GloballyUniqueId(created_on=0, local_id={owned._rref_id[1]}))"
+    user = remote("w1", make_tracked, args=(1,))
+    rref_id, fork_id = user._rref_id[1], user._fork_id[1] if user._fork_id else -1
+    assert str(user) == (
+        f"UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id={rref_id}), "
+        f"ForkId = GloballyUniqueId(created_on=0, local_id={fork_id}))"
+    )
+    user.to_here()
 
 
 def test_failed_remote_creation_is_raised_by_to_here() -> None:

@@ -389,9 +389,12 @@ class RRef(Generic[T_co]):
     def local_value(self) -> T_co:
         """The value itself; only on the owner."""
         if not self.is_owner():
+            me, owner = self._ctx.me, self._owner
+            # torch's wording first, which callers may match.
             raise RuntimeError(
-                f"{self!r}.local_value(): the value lives on {self._owner.name}, not on "
-                f"{self._ctx.me.name}; call to_here() to fetch a copy"
+                f"For {_guid_pair(self._rref_id, self._fork_id)}, can't call localValue() on user "
+                f"WorkerInfo(id={me.id}, name={me.name}). Call it on owner "
+                f"WorkerInfo(id={owner.id}, name={owner.name}), or call to_here() to fetch a copy"
             )
         timeout = self._ctx.runtime.resolve_timeout(-1)
         value: T_co = wait_for(self._ctx.value_of(self._rref_id), timeout, f"value of {self!r}")
@@ -459,6 +462,11 @@ class RRef(Generic[T_co]):
         kind = "OwnerRRef" if self.is_owner() else "UserRRef"
         return f"{kind}(owner={self._owner.name!r}, id={self._rref_id})"
 
+    def __str__(self) -> str:
+        if self._fork_id is None:
+            return f"OwnerRRef({_guid(self._rref_id)})"
+        return f"UserRRef(RRefId = {_guid(self._rref_id)}, ForkId = {_guid(self._fork_id)})"
+
     def __reduce__(self) -> Any:
         raise TypeError(
             f"{self!r} can only be pickled by the RPC layer, as an argument or result of "
@@ -498,6 +506,14 @@ class RRefProxy:
             return fut.wait() if mode == "sync" else fut
 
         return call
+
+
+def _guid(ids: tuple[int, int]) -> str:
+    return f"GloballyUniqueId(created_on={ids[0]}, local_id={ids[1]})"
+
+
+def _guid_pair(rref_id: RRefId, fork_id: ForkId | None) -> str:
+    return f"UserRRef(rref_id={_guid(rref_id)}, fork_id={_guid(fork_id or rref_id)})"
 
 
 def _backward_value(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
