@@ -258,3 +258,11 @@ def test_sparse_tensors_travel_as_arguments_and_results() -> None:
     assert doubled.layout == torch.sparse_coo
     assert torch.equal(doubled.to_dense(), (sparse + sparse).to_dense())
     assert torch.equal(rpc_sync("w2", torch.Tensor.to_dense, args=(sparse,)), sparse.to_dense())
+
+
+def test_non_contiguous_views_keep_their_strides() -> None:
+    view = torch.arange(12.0).view(3, 4).t()[1:]
+    assert rpc_sync("w1", torch.Tensor.stride, args=(view,)) == view.stride()
+    back = rpc_sync("w2", torch.Tensor.mul, args=(view, 1))
+    assert torch.equal(back, view)
+    assert torch.equal(rpc_sync("w1", torch.Tensor.clone, args=(view,)), view)

@@ -96,6 +96,16 @@ class _Pickler(pickle.Pickler):
                 first = len(self.tensors)
                 self.tensors += [coalesced.indices(), coalesced.values()]
                 return ("sparse_coo", (first, tuple(obj.shape)))
+            if not obj.is_contiguous() and not obj.requires_grad and obj.layout == torch.strided:
+                # A non-contiguous view keeps its strides, as torch's: its whole storage travels.
+                storage = obj.untyped_storage()
+                whole = torch.empty(0, dtype=obj.dtype, device=obj.device)
+                whole.set_(storage, 0, (storage.nbytes() // obj.element_size(),), (1,))
+                self.tensors.append(whole)
+                return (
+                    "strided",
+                    (len(self.tensors) - 1, tuple(obj.shape), obj.stride(), obj.storage_offset()),
+                )
             self.tensors.append(obj)
             return ("tensor", len(self.tensors) - 1)
         if isinstance(obj, RRef):
@@ -116,6 +126,10 @@ class _Unpickler(pickle.Unpickler):
         kind, data = pid
         if kind == "tensor":
             return self.message.tensors[data]
+        if kind == "strided":
+            index, shape, stride, offset = data
+            # as_strided checks that the view stays inside the storage that arrived.
+            return self.message.tensors[index].as_strided(shape, stride, offset)
         if kind == "sparse_coo":
             first, shape = data
             indices, values = self.message.tensors[first : first + 2]
