@@ -55,6 +55,8 @@ SUITES: Final = {
     "dist_optimizer_test": ("DistOptimizerTest",),
 }
 WORLD_SIZE: Final = 4
+# Private methods of torch's RRef (the suites call them on RRef objects, not on a module).
+_PRIVATE_RREF_METHODS: Final = frozenset({"_get_type", "_get_future", "_serialize", "_set_profiling_future"})
 _PRIVATE_HOMES: Final = (
     "torch.distributed",
     "torch._C",
@@ -118,6 +120,8 @@ def _reason(cls: type, fn: Callable[..., Any], seen: set[object]) -> str | None:
                     if found:
                         return found
                 continue
+            if attr in _PRIVATE_RREF_METHODS:
+                return f"private name {ast.unparse(node)}"
             if attr.startswith("_") and not attr.startswith("__"):
                 owner = names.get(base.id) if isinstance(base, ast.Name) else None
                 if owner is None and isinstance(base, ast.Attribute):
