@@ -266,3 +266,10 @@ def test_non_contiguous_views_keep_their_strides() -> None:
     back = rpc_sync("w2", torch.Tensor.mul, args=(view, 1))
     assert torch.equal(back, view)
     assert torch.equal(rpc_sync("w1", torch.Tensor.clone, args=(view,)), view)
+
+
+def test_rref_cannot_be_pickled_outside_rpc() -> None:
+    import pickle
+
+    with pytest.raises(RuntimeError, match="Can not pickle rref in python pickler"):
+        pickle.dumps(RRef(35))

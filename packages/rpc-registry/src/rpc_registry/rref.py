@@ -468,9 +468,10 @@ class RRef(Generic[T_co]):
         return f"UserRRef(RRefId = {_guid(self._rref_id)}, ForkId = {_guid(self._fork_id)})"
 
     def __reduce__(self) -> Any:
-        raise TypeError(
-            f"{self!r} can only be pickled by the RPC layer, as an argument or result of "
-            "rpc_sync, rpc_async or remote"
+        # torch's wording first, which callers may match.
+        raise RuntimeError(
+            f"Can not pickle rref in python pickler: {self!r} can only be pickled by the RPC "
+            "layer, as an argument or result of rpc_sync, rpc_async or remote"
         )
 
     def __del__(self) -> None:
