@@ -257,8 +257,9 @@ class Pool:
                     raise TimeoutError(f"rank {rank} did not finish {case.name} within {timeout:g} s")
                 outcomes.append(conn.recv())
         finally:
-            if os.path.exists(file_name):
-                os.unlink(file_name)
+            # The rendezvous file and the ones tests derive from its name (file_name + "init_2", ...).
+            for leftover in Path(file_name).parent.glob(Path(file_name).name + "*"):
+                leftover.unlink(missing_ok=True)
         for status in ("fail", "skip"):
             for rank, (got, details) in enumerate(outcomes):
                 if got == status:
