@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch import launch, session_alive
+from train_dist_autograd import reference as dist_autograd_reference
 from train_fsdp import EVAL_SAMPLES, evaluate_single_process
 from train_param_server import reference as param_server_reference
 from training_common import make_model, read_results, reference_dense
@@ -149,3 +150,23 @@ def test_fsdp_uneven_training_then_exact_evaluation(device: str, backend: str, t
     for result in results:
         assert result["eval_count"] == expected_count
         assert result["eval_sum"] == pytest.approx(expected_sum, rel=1e-6)
+
+
+@DEVICES
+def test_parameter_server_with_distributed_autograd_matches_single_process_reference(
+    device: str, backend: str, tmp_path: Path
+) -> None:
+    nproc = _ranks(backend, 3)
+    base, extra = 3, 2
+    args = ["--device", device, "--backend", backend, "--base", str(base), "--extra", str(extra)]
+    _run("train_dist_autograd.py", nproc, [*args, "--result-dir", str(tmp_path)])
+    results = read_results(tmp_path, nproc)
+    trainers = results[1:]
+    assert [r["steps"] for r in trainers] == [base + i * extra for i in range(nproc - 1)]
+    for other in trainers[1:]:
+        assert torch.equal(trainers[0]["dense"], other["dense"])
+    server, dense = dist_autograd_reference(nproc, base, extra)
+    torch.testing.assert_close(results[0]["server"], server, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(trainers[0]["dense"], dense, rtol=1e-5, atol=1e-6)
+    longest = trainers[-1]["losses"]
+    assert longest[-1] < longest[0], f"loss did not fall: {longest}"

@@ -168,8 +168,20 @@ def test_remote_value_lives_on_owner() -> None:
 
 def test_local_value_on_a_user_raises_and_names_the_owner() -> None:
     rref = remote("w1", make_tracked, args=(1,))
-    with pytest.raises(RuntimeError, match=r"lives on w1.*to_here"):
+    with pytest.raises(RuntimeError, match=r"Call it on owner WorkerInfo\(id=1, name=w1\).*to_here"):
         rref.local_value()
+
+
+def test_rref_string_forms_are_torchs() -> None:
+    owned = RRef(1)
+    assert str(owned) == f"OwnerRRef(GloballyUniqueId(created_on=0, local_id={owned._rref_id[1]}))"
+    user = remote("w1", make_tracked, args=(1,))
+    rref_id, fork_id = user._rref_id[1], user._fork_id[1] if user._fork_id else -1
+    assert str(user) == (
+        f"UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id={rref_id}), "
+        f"ForkId = GloballyUniqueId(created_on=0, local_id={fork_id}))"
+    )
+    user.to_here()
 
 
 def test_failed_remote_creation_is_raised_by_to_here() -> None:
@@ -226,3 +238,38 @@ def test_local_rref_is_owned_here() -> None:
     assert rref.is_owner() and rref.local_value() is value
     assert rref.owner() == get_worker_info()
     assert rpc_sync("w1", value_via_to_here, args=(rref,)) == 2
+
+
+def test_to_here_right_after_remote_whose_arguments_fork_an_rref() -> None:
+    # The creation waits for w2 to learn of the fork; the fetch must not overtake it.
+    for _ in range(5):
+        held = remote("w2", make_tracked, args=(4,))
+        result = remote("w1", value_via_to_here, args=(held,))
+        assert result.to_here() == 4
+        assert result.rpc_sync().bit_length() == 3
+        del held, result
+
+
+def test_sparse_tensors_travel_as_arguments_and_results() -> None:
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[0, 2, 2], [1, 0, 0]]), torch.tensor([1.0, 2.0, 3.0]), (3, 2), check_invariants=True
+    )
+    doubled = rpc_sync("w1", torch.add, args=(sparse, sparse))
+    assert doubled.layout == torch.sparse_coo
+    assert torch.equal(doubled.to_dense(), (sparse + sparse).to_dense())
+    assert torch.equal(rpc_sync("w2", torch.Tensor.to_dense, args=(sparse,)), sparse.to_dense())
+
+
+def test_non_contiguous_views_keep_their_strides() -> None:
+    view = torch.arange(12.0).view(3, 4).t()[1:]
+    assert rpc_sync("w1", torch.Tensor.stride, args=(view,)) == view.stride()
+    back = rpc_sync("w2", torch.Tensor.mul, args=(view, 1))
+    assert torch.equal(back, view)
+    assert torch.equal(rpc_sync("w1", torch.Tensor.clone, args=(view,)), view)
+
+
+def test_rref_cannot_be_pickled_outside_rpc() -> None:
+    import pickle
+
+    with pytest.raises(RuntimeError, match="Can not pickle rref in python pickler"):
+        pickle.dumps(RRef(35))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from rpcreg_socket_agent import construct_options, init_agent
 from torch.futures import Future
@@ -70,3 +72,19 @@ def later(x: int) -> Future[int]:
 
 
 assert_type(later(1), Future[int])
+
+
+def check_distributed_autograd() -> None:
+    import rpc_registry.autograd as dist_autograd
+    from rpc_registry.nn import RemoteModule
+    from rpc_registry.optim import DistributedOptimizer
+
+    with dist_autograd.context() as context_id:
+        assert_type(context_id, int)
+        dist_autograd.backward(context_id, [torch.ones(()).requires_grad_().sum()])
+        assert_type(dist_autograd.get_gradients(context_id), dict[torch.Tensor, torch.Tensor])
+    layer = RemoteModule("w1/cpu", torch.nn.Linear, args=(2, 2))
+    assert_type(layer.remote_parameters(), list[RRef[torch.nn.Parameter]])
+    assert_type(layer.forward_async(torch.ones(2)), Future[Any])
+    optimizer = DistributedOptimizer(torch.optim.SGD, layer.remote_parameters(), lr=0.1)
+    optimizer.step(0)

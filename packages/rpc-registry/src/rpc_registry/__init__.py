@@ -8,8 +8,24 @@ entry-point group ``rpc_registry.backends`` or :func:`register_backend`.
 
 from __future__ import annotations
 
-from . import functions
-from .api import get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
+from torch.distributed.distributed_c10d import Store
+
+from . import api, constants, functions
+from . import autograd as dist_autograd
+from . import registry as backend_registry
+from .api import (
+    AllGatherStates,
+    enable_gil_profiling,
+    get_rpc_timeout,
+    get_worker_info,
+    init_rpc,
+    is_available,
+    method_factory,
+    remote,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+)
 from .constants import (
     DEFAULT_INIT_METHOD,
     DEFAULT_RPC_TIMEOUT_SEC,
@@ -17,6 +33,7 @@ from .constants import (
     ENTRY_POINT_GROUP,
     UNSET_RPC_TIMEOUT,
 )
+from .exports import backend_export
 from .protocols import (
     BackendPlugin,
     ConstructRpcBackendOptionsHandler,
@@ -38,7 +55,35 @@ from .registry import (
 )
 from .rref import RRef
 
+PyRRef = RRef
+"""torch's other name of :class:`RRef`."""
+
+
+def __getattr__(name: str) -> object:
+    # Names of torch.distributed.rpc that a backend provides (TensorPipeRpcBackendOptions, ...).
+    found = None if name.startswith("__") else backend_export(name)
+    if found is None:
+        hint = (
+            "; no installed backend provides it (pip install tensorpipe-backend for the TENSORPIPE names)"
+            if name.endswith(("RpcBackendOptions", "Agent"))
+            else ""
+        )
+        raise AttributeError(f"module 'rpc_registry' has no attribute {name!r}{hint}")
+    return found
+
+
 __all__ = [
+    "AllGatherStates",
+    "PyRRef",
+    "Store",
+    "api",
+    "backend_registry",
+    "constants",
+    "dist_autograd",
+    "enable_gil_profiling",
+    "get_rpc_timeout",
+    "is_available",
+    "method_factory",
     "DEFAULT_INIT_METHOD",
     "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT",

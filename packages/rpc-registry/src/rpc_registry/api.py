@@ -31,6 +31,7 @@ from typing_extensions import TypeVarTuple, Unpack
 from . import rref as _rref
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, INSTALL_DEFAULT_BACKEND, UNSET_RPC_TIMEOUT
 from .functions import is_async_execution
+from .grad_contexts import WITH_GRAD, GradContainer
 from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
 from .registry import _REGISTRY, BackendType, construct_rpc_backend_options, init_backend
 from .rendezvous import rendezvous_store
@@ -39,8 +40,13 @@ from .rref import RRef, RRefContext, completed, copy_outcome, fail
 logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = [
+    "AllGatherStates",
+    "enable_gil_profiling",
+    "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "is_available",
+    "method_factory",
     "remote",
     "rpc_async",
     "rpc_sync",
@@ -78,6 +84,22 @@ class _Pickler(pickle.Pickler):
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
+            if obj.layout == torch.sparse_coo:
+                # Agents move dense tensors: a sparse one travels as its indices and values.
+                coalesced = obj.coalesce()
+                first = len(self.tensors)
+                self.tensors += [coalesced.indices(), coalesced.values()]
+                return ("sparse_coo", (first, tuple(obj.shape)))
+            if not obj.is_contiguous() and not obj.requires_grad and obj.layout == torch.strided:
+                # A non-contiguous view keeps its strides, as torch's: its whole storage travels.
+                storage = obj.untyped_storage()
+                whole = torch.empty(0, dtype=obj.dtype, device=obj.device)
+                whole.set_(storage, 0, (storage.nbytes() // obj.element_size(),), (1,))
+                self.tensors.append(whole)
+                return (
+                    "strided",
+                    (len(self.tensors) - 1, tuple(obj.shape), obj.stride(), obj.storage_offset()),
+                )
             self.tensors.append(obj)
             return ("tensor", len(self.tensors) - 1)
         if isinstance(obj, RRef):
@@ -98,6 +120,15 @@ class _Unpickler(pickle.Unpickler):
         kind, data = pid
         if kind == "tensor":
             return self.message.tensors[data]
+        if kind == "strided":
+            index, shape, stride, offset = data
+            # as_strided checks that the view stays inside the storage that arrived.
+            return self.message.tensors[index].as_strided(shape, stride, offset)
+        if kind == "sparse_coo":
+            first, shape = data
+            indices, values = self.message.tensors[first : first + 2]
+            # Checked: indices out of range would otherwise corrupt memory later.
+            return torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True, check_invariants=True)
         if kind == "rref":
             return self.ctx.from_wire(data)
         raise pickle.UnpicklingError(f"unknown persistent id kind {kind!r}")
@@ -222,7 +253,11 @@ def _failure(exc: BaseException) -> tuple[str, object, str]:
         pickle.loads(pickle.dumps(exc))
         error: object = exc
     except Exception:  # noqa: BLE001 - any exception that does not round-trip is replaced
-        error = RuntimeError(f"{type(exc).__qualname__}: {exc}")
+        # torch's wording, which callers may match.
+        error = RuntimeError(
+            f"Original exception on remote side was {type(exc).__qualname__}: {exc} "
+            "(it cannot be rebuilt on the caller; the remote traceback is in the notes)"
+        )
     return ("err", error, text)
 
 
@@ -240,6 +275,7 @@ class _RpcState:
         self._send_wait: Callable[..., Message] | None = getattr(agent, "send_wait", None)
         self.deadlines = _Deadlines()
         self.rrefs = RRefContext(self)
+        self.grad = GradContainer(self._me, self.worker)
 
     @property
     def me(self) -> WorkerInfo:
@@ -268,16 +304,28 @@ class _RpcState:
         raise TypeError(f"to={to!r}: must be a worker name, a WorkerInfo or a worker id")
 
     # Encoding.
-    def encode(self, obj: object, dest: WorkerInfo) -> Future[Message]:
-        """Pickle ``obj`` for ``dest``; completes once forks it creates are known to their owners."""
+    def encode(
+        self, obj: object, dest: WorkerInfo, context_id: int | None = None, force: bool = False
+    ) -> Future[Message]:
+        """Pickle ``obj`` for ``dest``; completes once forks it creates are known to their owners.
+
+        Inside distributed autograd context ``context_id``, tensors that
+        require grad are recorded (see :mod:`rpc_registry.grad_contexts`);
+        ``force`` sends the context along even without such tensors.
+        """
         if _is_plain(obj, _PLAIN_BUDGET) >= 0:
             # Nothing in it can be a tensor or an RRef: the C pickler alone.
-            return completed(Message(_plain_payload(obj)))
+            message = Message(_plain_payload(obj))
+            if context_id is not None:
+                message = self.grad.on_send(context_id, message, dest, force)
+            return completed(message)
         buffer = io.BytesIO()
         buffer.write(bytes((_WITH_REFS,)))
         pickler = _Pickler(buffer, self.rrefs, dest)
         pickler.dump(obj)
         message = Message(buffer.getvalue(), tuple(pickler.tensors))
+        if context_id is not None:
+            message = self.grad.on_send(context_id, message, dest, force)
         if not pickler.forks:
             return completed(message)
         return self._after_forks(message, pickler)
@@ -304,7 +352,17 @@ class _RpcState:
         torch.futures.collect_all(registrations).add_done_callback(on_registered)
         return out
 
-    def decode(self, message: Message) -> Any:
+    def decode(self, message: Message, request: bool = False) -> tuple[Any, int | None]:
+        """The object in ``message`` and the autograd context it was sent in (if any).
+
+        A ``request`` creates that context here when it is new.
+        """
+        context_id = None
+        if message.payload[:1] == bytes((WITH_GRAD,)):
+            message, context_id = self.grad.on_receive(message, create=request)
+        return self._unpickle(message), context_id
+
+    def _unpickle(self, message: Message) -> Any:
         payload = message.payload
         kind = payload[0] if payload else -1
         if kind == _PLAIN:
@@ -314,9 +372,17 @@ class _RpcState:
         return _Unpickler(message, self.rrefs).load()
 
     # Caller side.
-    def request(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Future[Any]:
+    def request(
+        self, to: WorkerInfo, request: tuple[object, ...], timeout: float, in_context: bool = True
+    ) -> Future[Any]:
+        """Send ``request``; the future holds the decoded reply.
+
+        A request made inside a distributed autograd context carries it,
+        unless ``in_context=False`` (the autograd layer's own messages).
+        """
         result: Future[Any] = Future()
-        plain = to.name != self._me.name and _is_plain(request, _PLAIN_BUDGET) >= 0
+        context_id = self.grad.current_id() if in_context else None
+        plain = context_id is None and to.name != self._me.name and _is_plain(request, _PLAIN_BUDGET) >= 0
         if plain and self._send_then is not None:
             # The common case, without the futures of encoding (nothing in it is a tensor or
             # an RRef) and without a deadline here: the agent times send_then calls out.
@@ -336,7 +402,7 @@ class _RpcState:
                 self._settle(call, None, exc)
             return result
         try:
-            encoded = self.encode(request, to)
+            encoded = self.encode(request, to, context_id, force=True)
         except BaseException:
             self.deadlines.claim(call)
             raise
@@ -362,7 +428,12 @@ class _RpcState:
     def request_wait(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Any:
         """``request``'s result, waited for in this thread (its error raised)."""
         send_wait = self._send_wait
-        if send_wait is None or to.name == self._me.name or _is_plain(request, _PLAIN_BUDGET) < 0:
+        if (
+            send_wait is None
+            or to.name == self._me.name
+            or self.grad.current_id() is not None
+            or _is_plain(request, _PLAIN_BUDGET) < 0
+        ):
             return self.request(to, request, timeout).wait()
         # A plain call to a peer: the agent may read the reply in this thread.
         value, error = self._reply_value(send_wait(to, Message(_plain_payload(request)), timeout))
@@ -370,14 +441,16 @@ class _RpcState:
             raise error
         return value
 
-    def _call_now(self, request: tuple[Any, ...], sender: WorkerInfo) -> Future[Message]:
+    def _call_now(
+        self, request: tuple[Any, ...], sender: WorkerInfo, context_id: int | None = None
+    ) -> Future[Message]:
         """Run a plain call in this thread and encode its reply (no future until the reply)."""
         _, func, args, kwargs = request
         try:
             payload: tuple[object, ...] = ("ok", func(*args, **kwargs))
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             payload = _failure(exc)
-        return self._encode_reply(payload, sender)
+        return self._encode_reply(payload, sender, context_id)
 
     def _settle(self, call: _Call, value: object, error: BaseException | None) -> None:
         result = self.deadlines.claim(call)
@@ -412,7 +485,7 @@ class _RpcState:
         if isinstance(outcome, BaseException):
             return None, outcome
         try:
-            status, *body = self.decode(outcome)
+            (status, *body), _ = self.decode(outcome)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             return None, exc
         if status == "ok":
@@ -434,6 +507,9 @@ class _RpcState:
         rref_id = self.rrefs.new_id()
         if to == self._me:
             value = self.rrefs.create_owned(rref_id, None)
+            context_id = self.grad.current_id()
+            if context_id is not None:
+                func = self.grad.bind(context_id, func)
             self.run(func, args, kwargs).add_done_callback(lambda f: copy_outcome(f, value))
             return RRef._make(self.rrefs, to, rref_id, None, None)
         fork_id = self.rrefs.new_id()
@@ -448,19 +524,31 @@ class _RpcState:
         agent's ``handler_may_block``), else on this module's worker threads.
         """
         inline = self.inline if inline is None else inline
+        context_id = None
         try:
-            request = self.decode(message)
+            try:
+                request, context_id = self.decode(message, request=True)
+            except (AttributeError, ImportError, pickle.UnpicklingError) as exc:
+                # torch's wording first, which callers may match.
+                raise RuntimeError(
+                    "RPC pickler does not serialize function code: "
+                    f"{self._me.name} could not load the request of {sender.name} "
+                    f"({type(exc).__name__}: {exc}); define the function in a module both import"
+                ) from exc
+            if context_id is not None and request[0] in ("call", "remote"):
+                # The called function runs inside the caller's context: its own calls join it.
+                request = (request[0], self.grad.bind(context_id, request[1]), *request[2:])
             if inline and request[0] == "call" and not is_async_execution(request[1]):
-                return self._call_now(request, sender)
+                return self._call_now(request, sender, context_id)
             outcome = self._dispatch(request, inline)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             outcome = Future()
             fail(outcome, exc)
         if outcome.done():
-            return self._reply(outcome, sender)
+            return self._reply(outcome, sender, context_id)
         reply: Future[Message] = Future()
         outcome.add_done_callback(
-            lambda f: self._reply(f, sender).add_done_callback(lambda e: copy_outcome(e, reply))
+            lambda f: self._reply(f, sender, context_id).add_done_callback(lambda e: copy_outcome(e, reply))
         )
         return reply
 
@@ -484,16 +572,18 @@ class _RpcState:
             return completed(None)
         raise ValueError(f"unknown request kind {kind!r}")
 
-    def _reply(self, outcome: Future[Any], dest: WorkerInfo) -> Future[Message]:
+    def _reply(self, outcome: Future[Any], dest: WorkerInfo, context_id: int | None) -> Future[Message]:
         try:
             payload: tuple[object, ...] = ("ok", outcome.value())
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             payload = _failure(exc)
-        return self._encode_reply(payload, dest)
+        return self._encode_reply(payload, dest, context_id)
 
-    def _encode_reply(self, payload: tuple[object, ...], dest: WorkerInfo) -> Future[Message]:
+    def _encode_reply(
+        self, payload: tuple[object, ...], dest: WorkerInfo, context_id: int | None = None
+    ) -> Future[Message]:
         try:
-            return self.encode(payload, dest)
+            return self.encode(payload, dest, context_id)
         except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
             return self.encode(_failure(exc), dest)
 
@@ -512,9 +602,11 @@ class _RpcState:
                 elif callable(getattr(result, "add_done_callback", None)):
                     result.add_done_callback(lambda f: copy_outcome(f, out))
                 else:
-                    raise TypeError(
-                        f"{_name_of(func)} is decorated with @async_execution but returned "
-                        f"{type(result).__qualname__}, not a torch.futures.Future"
+                    # torch's wording, which callers may match.
+                    raise RuntimeError(
+                        "Functions decorated with @rpc.async_function must return a "
+                        f"torch.futures.Future object, but {_name_of(func)} (decorated with "
+                        f"@async_execution) returned {type(result).__qualname__}"
                     )
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 fail(out, exc)
@@ -530,6 +622,7 @@ class _RpcState:
             self.agent.shutdown()
         finally:
             self.rrefs.close()
+            self.grad.clear()
             self.deadlines.stop()
             self.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -584,8 +677,8 @@ def _choose_backend(backend: BackendType | None, options: RpcBackendOptions | No
                     )
                 return candidate
         raise TypeError(
-            f"rpc_backend_options={options!r}: no registered backend builds options of type "
-            f"{type(options).__qualname__}; pass backend= explicitly"
+            f"Could not infer backend for options {options!r}: no registered backend builds "
+            f"options of type {type(options).__qualname__}; pass backend= explicitly"
         )
     default = _REGISTRY.get("TENSORPIPE")
     if default is None:
@@ -702,8 +795,56 @@ def get_worker_info(name: str | None = None, *, worker_name: str | None = None) 
 
 
 def _check_callable(func: object) -> None:
+    if isinstance(func, (torch.jit.ScriptFunction, torch.jit.ScriptModule)):
+        raise TypeError(
+            f"func={_name_of(func)}: TorchScript functions are not supported as RPC targets "
+            "(TorchScript is deprecated in torch); pass the plain Python function instead "
+            "(the one decorated with @torch.jit.script)"
+        )
     if not callable(func):
         raise TypeError(f"func={func!r}: must be callable (a function importable by the callee)")
+
+
+def is_available() -> bool:
+    """Whether RPC can be used: always, this package needs no compiled extension (torch's name)."""
+    return True
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of calls on this worker, in seconds (the agent's ``rpc_timeout``)."""
+    return _current().agent.rpc_timeout
+
+
+def enable_gil_profiling(flag: bool) -> None:
+    """torch's switch for measuring GIL wait times in its C++ agent.
+
+    This package has no such measurement: ``flag=False`` (torch's default)
+    is accepted, ``flag=True`` raises ``NotImplementedError``.
+    """
+    if flag:
+        raise NotImplementedError(
+            "enable_gil_profiling(True): rpc_registry does not measure GIL wait times; "
+            "profile with torch.profiler or py-spy instead"
+        )
+
+
+class AllGatherStates:
+    """The per-round state of an all-gather over RPC: what arrived, and the signal to go on."""
+
+    def __init__(self) -> None:
+        self.gathered_objects: dict[str, object] = {}
+        self.proceed_signal = threading.Event()
+
+
+def method_factory(method_name: str, docstring: str | None) -> Callable[..., Any]:
+    """A function that calls ``RRef.<method_name>`` on its first argument, documented by ``docstring``."""
+
+    def method(self: RRef[Any], *args: Any, **kwargs: Any) -> Any:
+        return getattr(RRef, method_name)(self, *args, **kwargs)
+
+    method.__name__ = method_name
+    method.__doc__ = docstring
+    return method
 
 
 # With ``args`` and no ``kwargs``, or neither, type checkers check the

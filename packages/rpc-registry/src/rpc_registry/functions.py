@@ -9,7 +9,7 @@ from typing import Final, TypeVar
 from torch.futures import Future
 from typing_extensions import ParamSpec
 
-__all__ = ["async_execution", "is_async_execution"]
+__all__ = ["async_execution", "is_async_execution", "mark_async_execution"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -37,8 +37,13 @@ def async_execution(fn: Callable[P, Future[T]]) -> Callable[P, Future[T]]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> Future[T]:
         return fn(*args, **kwargs)
 
-    setattr(wrapper, _MARK, True)
+    mark_async_execution(wrapper)
     return wrapper
+
+
+def mark_async_execution(fn: object) -> None:
+    """Mark ``fn`` as :func:`async_execution` without wrapping it (for wrappers made elsewhere)."""
+    setattr(fn, _MARK, True)
 
 
 def is_async_execution(fn: object) -> bool:

@@ -10,22 +10,44 @@ between workers; everything else (pickling, RRef reference counting,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch.distributed.distributed_c10d import Store
 from torch.futures import Future
 from typing_extensions import Protocol, runtime_checkable
 
+_NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9_:\-]+")
+_MAX_NAME_LENGTH: Final = 128
+
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """A worker of the RPC group: its unique ``name`` and its ``id`` (the rank)."""
+    """A worker of the RPC group: its unique ``name`` and its ``id`` (the rank).
+
+    Names are 1 to 127 letters, digits, ``_``, ``:`` or ``-``, as torch's.
+    """
 
     name: str
     id: int
+
+    def __post_init__(self) -> None:
+        # RuntimeError and torch's phrases: code written against torch matches them.
+        if not self.name:
+            raise RuntimeError("WorkerInfo(name=''): Worker name must be non-empty, e.g. 'worker1'")
+        if len(self.name) >= _MAX_NAME_LENGTH:
+            raise RuntimeError(
+                f"WorkerInfo(name={self.name[:20]!r}...): Worker name must be shorter than "
+                f"{_MAX_NAME_LENGTH} characters (it has {len(self.name)})"
+            )
+        if not _NAME_PATTERN.fullmatch(self.name):
+            raise RuntimeError(
+                f"WorkerInfo(name={self.name!r}): Worker name must match {_NAME_PATTERN.pattern} "
+                "(letters, digits, '_', ':' or '-')"
+            )
 
 
 @dataclass(frozen=True)

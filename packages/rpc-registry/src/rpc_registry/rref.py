@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
+import torch
 from torch.futures import Future
 from typing_extensions import Protocol
 
@@ -34,6 +35,8 @@ logger: logging.Logger = logging.getLogger(__name__)
 __all__ = ["RRef"]
 
 T = TypeVar("T")
+# An RRef only hands its value out: RRef[Parameter] is an RRef[Tensor].
+T_co = TypeVar("T_co", covariant=True)
 RRefId = tuple[int, int]
 ForkId = tuple[int, int]
 WireRRef = tuple[WorkerInfo, RRefId, ForkId | None]
@@ -301,7 +304,7 @@ def set_context(ctx: RRefContext | None) -> None:
     _CONTEXT = ctx
 
 
-class RRef(Generic[T]):
+class RRef(Generic[T_co]):
     """A reference to a value owned by one worker of the RPC group.
 
     ``RRef(value)`` makes this worker the owner of ``value``; ``remote()``
@@ -324,7 +327,7 @@ class RRef(Generic[T]):
     _created: Future[Any] | None
     _released: bool
 
-    def __init__(self, value: T) -> None:
+    def __init__(self, value: T_co) -> None:
         ctx = _context()
         rref_id = ctx.new_id()
         ctx.create_owned(rref_id, None).set_result(value)
@@ -383,28 +386,65 @@ class RRef(Generic[T]):
             return False
         return True
 
-    def local_value(self) -> T:
+    def local_value(self) -> T_co:
         """The value itself; only on the owner."""
         if not self.is_owner():
+            me, owner = self._ctx.me, self._owner
+            # torch's wording first, which callers may match.
             raise RuntimeError(
-                f"{self!r}.local_value(): the value lives on {self._owner.name}, not on "
-                f"{self._ctx.me.name}; call to_here() to fetch a copy"
+                f"For {_guid_pair(self._rref_id, self._fork_id)}, can't call localValue() on user "
+                f"WorkerInfo(id={me.id}, name={me.name}). Call it on owner "
+                f"WorkerInfo(id={owner.id}, name={owner.name}), or call to_here() to fetch a copy"
             )
         timeout = self._ctx.runtime.resolve_timeout(-1)
-        value: T = wait_for(self._ctx.value_of(self._rref_id), timeout, f"value of {self!r}")
+        value: T_co = wait_for(self._ctx.value_of(self._rref_id), timeout, f"value of {self!r}")
         return value
 
-    def to_here(self, timeout: float = -1.0) -> T:
+    def to_here(self, timeout: float = -1.0) -> T_co:
         """A copy of the value, fetched from the owner (``timeout``: ``-1`` default, ``0`` none)."""
         runtime = self._ctx.runtime
         seconds = runtime.resolve_timeout(timeout)
         if self.is_owner():
-            value: T = wait_for(self._ctx.value_of(self._rref_id), seconds, f"value of {self!r}")
+            value: T_co = wait_for(self._ctx.value_of(self._rref_id), seconds, f"value of {self!r}")
             return value
-        if self._created is not None and self._created.done():
-            self._created.wait()  # a failed creation is reported here, as torch does
-        fetched: T = runtime.request(self._owner, ("fetch", self._rref_id), seconds).wait()
+        self._wait_created(seconds)
+        fetched: T_co = runtime.request(self._owner, ("fetch", self._rref_id), seconds).wait()
         return fetched
+
+    def _wait_created(self, timeout: float) -> None:
+        """Wait until the owner holds the value (a failed creation is raised here, as torch does).
+
+        A message that carries forks of other RRefs waits for their owners
+        before it goes out, so a later request could overtake the creation.
+        """
+        if self._created is not None:
+            wait_for(self._created, timeout, f"creation of {self!r} on {self._owner.name}")
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Backward from the value (a scalar tensor) as the root, on its owner.
+
+        With ``dist_autograd_ctx_id`` it is a distributed backward pass of
+        that context (see :mod:`rpc_registry.autograd`); without it, a local
+        ``Tensor.backward`` on the owner, which must be this worker.
+        """
+        if dist_autograd_ctx_id == -1:
+            if not self.is_owner():
+                raise RuntimeError(
+                    f"{self!r}.backward(): a local backward pass needs the owner; it is "
+                    f"{self._owner.name}, pass dist_autograd_ctx_id for a distributed one"
+                )
+            _backward_value(self, -1, retain_graph)
+            return
+        timeout = self._ctx.runtime.resolve_timeout(-1)
+        if self.is_owner():
+            _backward_value(self, dist_autograd_ctx_id, retain_graph)
+        else:
+            self._wait_created(timeout)
+            self._ctx.runtime.request(
+                self._owner,
+                ("call", _backward_value, (self, dist_autograd_ctx_id, retain_graph), {}),
+                timeout,
+            ).wait()
 
     def rpc_sync(self, timeout: float = -1.0) -> RRefProxy:
         """Proxy whose methods run ``rpc_sync`` of the value's method on the owner."""
@@ -422,10 +462,16 @@ class RRef(Generic[T]):
         kind = "OwnerRRef" if self.is_owner() else "UserRRef"
         return f"{kind}(owner={self._owner.name!r}, id={self._rref_id})"
 
+    def __str__(self) -> str:
+        if self._fork_id is None:
+            return f"OwnerRRef({_guid(self._rref_id)})"
+        return f"UserRRef(RRefId = {_guid(self._rref_id)}, ForkId = {_guid(self._fork_id)})"
+
     def __reduce__(self) -> Any:
-        raise TypeError(
-            f"{self!r} can only be pickled by the RPC layer, as an argument or result of "
-            "rpc_sync, rpc_async or remote"
+        # torch's wording first, which callers may match.
+        raise RuntimeError(
+            f"Can not pickle rref in python pickler: {self!r} can only be pickled by the RPC "
+            "layer, as an argument or result of rpc_sync, rpc_async or remote"
         )
 
     def __del__(self) -> None:
@@ -453,6 +499,7 @@ class RRefProxy:
         def call(*args: Any, **kwargs: Any) -> Any:
             runtime = rref._ctx.runtime
             seconds = runtime.resolve_timeout(timeout)
+            rref._wait_created(seconds)
             payload = (_invoke_rref_method, (rref, name, *args), kwargs)
             if mode == "remote":
                 return runtime.remote(rref._owner, *payload, seconds)
@@ -460,6 +507,28 @@ class RRefProxy:
             return fut.wait() if mode == "sync" else fut
 
         return call
+
+
+def _guid(ids: tuple[int, int]) -> str:
+    return f"GloballyUniqueId(created_on={ids[0]}, local_id={ids[1]})"
+
+
+def _guid_pair(rref_id: RRefId, fork_id: ForkId | None) -> str:
+    return f"UserRRef(rref_id={_guid(rref_id)}, fork_id={_guid(fork_id or rref_id)})"
+
+
+def _backward_value(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
+    value = rref.local_value()
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(
+            f"RRef should contain a tensor for .backward(), but {rref!r} holds {type(value).__qualname__}"
+        )
+    if context_id == -1:
+        value.backward(retain_graph=retain_graph)
+        return
+    from . import autograd  # imported here: autograd builds on this module
+
+    autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 
 @async_execution

@@ -1,0 +1,117 @@
+"""Functions that the distributed autograd tests run on other workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.futures import Future
+
+import rpc_registry.autograd as dist_autograd
+from rpc_registry import RRef, rpc_sync
+from rpc_registry.api import _current
+from rpc_registry.functions import async_execution
+
+
+def mul_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x * y + x.sin()
+
+
+def chain(hops: list[str], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x * y`` then, for each worker in ``hops``, a call to it with the running result."""
+    out = x * y
+    if hops:
+        out = out + rpc_sync(hops[0], chain, args=(hops[1:], out.exp(), y))
+    return out.tanh()
+
+
+def chain_here(hops: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """What :func:`chain` computes, in this process alone."""
+    out = x * y
+    if hops:
+        out = out + chain_here(hops - 1, out.exp(), y)
+    return out.tanh()
+
+
+def use_rref(rref: RRef[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    return rref.local_value() * t
+
+
+class FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("simulated error in backward")
+
+
+def fails_in_backward(x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = FailingBackward.apply(x * 2)  # type: ignore[no-untyped-call]
+    return out
+
+
+_PARAMS: dict[str, torch.Tensor] = {}
+
+
+def make_param(name: str, values: list[float]) -> RRef[torch.Tensor]:
+    """A leaf tensor kept on this worker, returned as an RRef."""
+    param = torch.tensor(values, dtype=torch.float64, requires_grad=True)
+    _PARAMS[name] = param
+    return RRef(param)
+
+
+def scale_by_param(name: str, x: torch.Tensor) -> torch.Tensor:
+    return x * _PARAMS[name]
+
+
+def param_grad(name: str, context_id: int) -> torch.Tensor | None:
+    """The gradient of the named parameter in ``context_id`` on this worker; its .grad stays None."""
+    param = _PARAMS[name]
+    assert param.grad is None
+    return dist_autograd.get_gradients(context_id).get(param)
+
+
+def context_count() -> int:
+    return _current().grad.count()
+
+
+class Stage(nn.Module):
+    """One stage of a model split over workers."""
+
+    def __init__(self, n_in: int, n_out: int, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.linear = nn.Linear(n_in, n_out).double()
+        with torch.no_grad():
+            self.linear.weight.copy_(torch.randn(n_out, n_in, generator=generator, dtype=torch.float64))
+            self.linear.bias.copy_(torch.randn(n_out, generator=generator, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.tanh(self.linear(x))
+        return out
+
+
+def module_state(module: RRef[nn.Module]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.local_value().state_dict().items()}
+
+
+@async_execution
+def returns_no_future() -> Future[int]:
+    return 3  # type: ignore[return-value]
+
+
+class TwoArgumentError(Exception):
+    """An exception that pickle cannot rebuild (its __init__ takes two arguments)."""
+
+    def __init__(self, flag: bool, message: str) -> None:
+        self.flag = flag
+        super().__init__(message)
+
+
+def raise_two_argument_error() -> None:
+    raise TwoArgumentError(True, "cannot come back as it is")

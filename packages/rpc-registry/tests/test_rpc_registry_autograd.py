@@ -1,0 +1,336 @@
+"""Distributed autograd, DistributedOptimizer and RemoteModule across four processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from dist_autograd_cases import (
+    Stage,
+    chain,
+    chain_here,
+    context_count,
+    fails_in_backward,
+    make_param,
+    module_state,
+    mul_add,
+    param_grad,
+    raise_two_argument_error,
+    returns_no_future,
+    scale_by_param,
+    use_rref,
+)
+from rpcreg_socket_agent import SocketOptions, run_worker, socket_backend
+
+import rpc_registry.autograd as dist_autograd
+from rpc_registry import RRef, init_rpc, remote, rpc_async, rpc_sync, shutdown
+from rpc_registry.nn import RemoteModule
+from rpc_registry.optim import DistributedOptimizer
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKERS = ("w0", "w1", "w2", "w3")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster() -> Iterator[None]:
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    context = multiprocessing.get_context("spawn")
+    workers = [
+        context.Process(target=run_worker, args=(name, rank, len(WORKERS), init_method), daemon=True)
+        for rank, name in enumerate(WORKERS)
+        if rank > 0
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        init_rpc(
+            "w0",
+            backend=socket_backend(),
+            rank=0,
+            world_size=len(WORKERS),
+            rpc_backend_options=SocketOptions(rpc_timeout=30.0, init_method=init_method),
+        )
+        yield
+        shutdown(graceful=True, timeout=30.0)
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=5)
+    assert [w.exitcode for w in workers] == [0] * (len(WORKERS) - 1)
+
+
+@pytest.fixture(autouse=True)
+def contexts_released_everywhere() -> Iterator[None]:
+    yield
+    for name in WORKERS:
+        deadline = time.monotonic() + 10
+        while rpc_sync(name, context_count) != 0:
+            assert time.monotonic() < deadline, f"{name} still holds an autograd context"
+            time.sleep(0.05)
+
+
+def _leaves(seed: int, n: int = 2) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(3, 4, generator=generator, dtype=torch.float64, requires_grad=True) for _ in range(n)]
+
+
+def _local_grads(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(loss, leaves))
+
+
+def _assert_grads(
+    got: dict[torch.Tensor, torch.Tensor], leaves: list[torch.Tensor], want: list[torch.Tensor]
+) -> None:
+    for leaf, expected in zip(leaves, want):
+        assert leaf in got, "a leaf of this worker has no gradient in the context"
+        torch.testing.assert_close(got[leaf], expected, rtol=1e-6, atol=0)
+        assert leaf.grad is None
+
+
+def test_gradients_of_one_remote_call_equal_local_autograd() -> None:
+    x, y = _leaves(0)
+    want = _local_grads((mul_add(x, y) * y).sum(), [x, y])
+    with dist_autograd.context() as context_id:
+        loss = (rpc_sync("w1", mul_add, args=(x, y)) * y).sum()
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(dist_autograd.get_gradients(context_id), [x, y], want)
+
+
+def test_hooks_of_a_leaf_sent_by_rpc_see_its_gradient() -> None:
+    x, y = _leaves(8)
+    x.register_hook(lambda grad: grad * 3)
+    want = _local_grads((mul_add(x, y) * y).sum(), [x, y])
+    with dist_autograd.context() as context_id:
+        loss = (rpc_sync("w2", mul_add, args=(x, y)) * y).sum()
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(dist_autograd.get_gradients(context_id), [x, y], want)
+
+
+def test_gradients_through_nested_calls_a_b_c_d() -> None:
+    x, y = _leaves(1)
+    want = _local_grads(chain_here(3, x, y).sum(), [x, y])
+    with dist_autograd.context() as context_id:
+        loss = rpc_sync("w1", chain, args=(["w2", "w3", "w0"], x, y)).sum()
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(dist_autograd.get_gradients(context_id), [x, y], want)
+
+
+def test_gradients_through_rrefs_to_here_and_calls_on_the_owner() -> None:
+    x, y = _leaves(2)
+    t = torch.full((3, 4), 1.5, dtype=torch.float64, requires_grad=True)
+    want = _local_grads(((mul_add(x, y) * t).sum() + mul_add(x, y).pow(2).sum()), [x, y, t])
+    with dist_autograd.context() as context_id:
+        rref = remote("w2", mul_add, args=(x, y))
+        fetched = rref.to_here()
+        via_owner = rpc_sync(rref.owner(), use_rref, args=(rref, t))
+        loss = via_owner.sum() + fetched.pow(2).sum()
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(dist_autograd.get_gradients(context_id), [x, y, t], want)
+
+
+def test_gradients_of_leaves_on_other_workers_stay_there() -> None:
+    make_param_rref = rpc_sync("w3", make_param, args=("p", [0.5, -1.0, 2.0, 3.0]))
+    p = torch.tensor([0.5, -1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    (x,) = _leaves(3, 1)
+    want = _local_grads((x * p).pow(2).sum(), [p])
+    with dist_autograd.context() as context_id:
+        loss = rpc_sync("w3", scale_by_param, args=("p", x)).pow(2).sum()
+        dist_autograd.backward(context_id, [loss])
+        remote_grad = rpc_sync("w3", param_grad, args=("p", context_id))
+    assert remote_grad is not None
+    torch.testing.assert_close(remote_grad, want[0], rtol=1e-6, atol=0)
+    del make_param_rref
+
+
+def test_concurrent_contexts_keep_their_gradients_apart() -> None:
+    results: dict[int, tuple[list[torch.Tensor], dict[torch.Tensor, torch.Tensor], list[torch.Tensor]]] = {}
+    errors: list[BaseException] = []
+
+    def one(seed: int) -> None:
+        try:
+            x, y = _leaves(10 + seed)
+            hops = [WORKERS[1 + (seed + i) % 3] for i in range(2)]
+            want = _local_grads(chain_here(1, x, y).sum() * (seed + 1), [x, y])
+            with dist_autograd.context() as context_id:
+                for _ in range(seed + 1):  # several backward passes accumulate in one context
+                    loss = rpc_sync(hops[0], chain, args=(hops[1:], x, y)).sum()
+                    dist_autograd.backward(context_id, [loss])
+                results[seed] = ([x, y], dist_autograd.get_gradients(context_id), want)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert sorted(results) == [0, 1, 2, 3]
+    for leaves, got, want in results.values():
+        _assert_grads(got, leaves, want)
+
+
+def test_remote_error_in_backward_reaches_caller_with_remote_traceback() -> None:
+    (x,) = _leaves(4, 1)
+    with dist_autograd.context() as context_id:
+        loss = rpc_sync("w2", fails_in_backward, args=(x,)).sum()
+        with pytest.raises(
+            RuntimeError, match=r"Error on Node 2: simulated error in backward \(on w2\)"
+        ) as info:
+            dist_autograd.backward(context_id, [loss])
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "Raised on the remote worker" in notes
+    assert "ValueError: simulated error in backward" in notes
+    assert "dist_autograd_cases.py" in notes
+
+
+def test_context_is_released_on_every_worker_it_reached() -> None:
+    (x,) = _leaves(5, 1)
+    with dist_autograd.context() as context_id:
+        rpc_sync("w1", chain, args=(["w2", "w3"], x, x))
+        assert all(rpc_sync(name, context_count) == 1 for name in WORKERS)
+    assert [rpc_sync(name, context_count) for name in WORKERS] == [0, 0, 0, 0]
+    with pytest.raises(RuntimeError, match=f"Could not find autograd context with id: {context_id}"):
+        dist_autograd.get_gradients(context_id)
+
+
+def test_rref_backward_runs_on_the_owner_locally_or_in_a_context() -> None:
+    (x,) = _leaves(9, 1)
+    RRef((x * 2).sum()).backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    x.grad = None
+    with dist_autograd.context() as context_id:
+        owned_by_w1 = remote("w1", mul_add, args=(x, x)).remote().sum()
+        owned_by_w1.backward(context_id, retain_graph=True)
+        owned_by_w1.backward(context_id)
+        want = _local_grads(mul_add(x, x).sum(), [x])
+        _assert_grads(dist_autograd.get_gradients(context_id), [x], [want[0] * 2])
+    with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for \.backward\(\)"):
+        RRef("foo").backward()
+    with pytest.raises(RuntimeError, match="a local backward pass needs the owner"):
+        owned_by_w1.backward()
+
+
+def test_context_ids_carry_the_worker_id_and_do_not_nest() -> None:
+    with dist_autograd.context() as context_id:
+        assert context_id >> 48 == 0
+        with pytest.raises(RuntimeError, match="Already have an autograd context id for this thread"):
+            dist_autograd.context().__enter__()
+
+
+def test_backward_rejects_roots_torch_rejects() -> None:
+    with dist_autograd.context() as context_id:
+        with pytest.raises(TypeError, match="context_id=None"):
+            dist_autograd.backward(None, [])  # type: ignore[arg-type]
+        with pytest.raises(RuntimeError, match="No tensors provided"):
+            dist_autograd.backward(context_id, [])
+        with pytest.raises(RuntimeError, match="requires_grad not set"):
+            dist_autograd.backward(context_id, [torch.ones(())])
+        with pytest.raises(RuntimeError, match="all roots need to be scalar"):
+            dist_autograd.backward(context_id, [torch.ones(3, requires_grad=True) * 2])
+        with pytest.raises(RuntimeError, match="does not have a valid gradient function"):
+            dist_autograd.backward(context_id, [torch.ones((), requires_grad=True)])
+
+
+def test_distributed_optimizer_trains_a_split_model_to_the_single_process_result() -> None:
+    generator = torch.Generator().manual_seed(7)
+    batches = [torch.randn(5, 4, generator=generator, dtype=torch.float64) for _ in range(4)]
+    targets = [torch.randn(5, 2, generator=generator, dtype=torch.float64) for _ in range(4)]
+
+    first, second = Stage(4, 6, seed=1), Stage(6, 2, seed=2)
+    reference = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1, momentum=0.9)
+    for batch, target in zip(batches, targets):
+        reference.zero_grad()
+        torch.nn.functional.mse_loss(second(first(batch)), target).backward()
+        reference.step()
+
+    remote_first = RemoteModule("w1/cpu", Stage, args=(4, 6), kwargs={"seed": 1})
+    remote_second = RemoteModule("rank:2/cpu", Stage, args=(6, 2), kwargs={"seed": 2})
+    params = remote_first.remote_parameters() + remote_second.remote_parameters()
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.1, momentum=0.9)
+    assert sorted(o.owner_name() for o in optimizer.remote_optimizers) == ["w1", "w2"]
+    for batch, target in zip(batches, targets):
+        with dist_autograd.context() as context_id:
+            loss = torch.nn.functional.mse_loss(remote_second(remote_first(batch)), target)
+            dist_autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+
+    for module, remote_module in ((first, remote_first), (second, remote_second)):
+        got = rpc_sync(remote_module.on, module_state, args=(remote_module.get_module_rref(),))
+        for name, value in module.state_dict().items():
+            torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-12)
+
+
+def test_remote_module_forward_async_and_backward() -> None:
+    local = Stage(4, 3, seed=5)
+    remote_module = RemoteModule("w3/cpu", Stage, args=(4, 3), kwargs={"seed": 5})
+    (x,) = _leaves(6, 1)
+    want_out = local(x)
+    want = _local_grads(want_out.pow(2).sum(), [x, *local.parameters()])
+    with dist_autograd.context() as context_id:
+        out = remote_module.forward_async(x).wait()
+        torch.testing.assert_close(out, want_out, rtol=1e-6, atol=0)
+        dist_autograd.backward(context_id, [remote_module(x).pow(2).sum()])
+        _assert_grads(dist_autograd.get_gradients(context_id), [x], want[:1])
+        param_grads = rpc_sync("w3", _module_param_grads, args=(remote_module.get_module_rref(), context_id))
+    for got, expected in zip(param_grads, want[1:]):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    assert rpc_async("w3", context_count).wait() == 0
+
+
+def _module_param_grads(module: object, context_id: int) -> list[torch.Tensor]:
+    from rpc_registry import RRef
+
+    assert isinstance(module, RRef)
+    grads = dist_autograd.get_gradients(context_id)
+    return [grads[p] for p in module.local_value().parameters()]
+
+
+def test_remote_module_rejects_a_malformed_remote_device() -> None:
+    with pytest.raises(ValueError, match=r"remote_device='w1/'"):
+        RemoteModule("w1/", Stage, args=(4, 3), kwargs={"seed": 5})
+
+
+def test_async_execution_without_a_future_gets_torchs_error() -> None:
+    with pytest.raises(
+        RuntimeError, match=r"must return a torch\.futures\.Future object, but .*returns_no_future"
+    ):
+        rpc_sync("w1", returns_no_future)
+
+
+def test_remote_exception_that_cannot_be_rebuilt_arrives_as_runtime_error() -> None:
+    with pytest.raises(RuntimeError, match="Original exception on remote side was TwoArgumentError") as info:
+        rpc_sync("w2", raise_two_argument_error)
+    assert "cannot come back as it is" in str(info.value)
+
+
+def test_function_the_callee_cannot_import_gets_torchs_error() -> None:
+    import dist_autograd_cases
+
+    def local_only() -> int:
+        return 1
+
+    local_only.__module__ = "dist_autograd_cases"
+    local_only.__qualname__ = "not_on_the_callee"
+    dist_autograd_cases.not_on_the_callee = local_only  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(RuntimeError, match="RPC pickler does not serialize function code: w1 could not"):
+            rpc_sync("w1", local_only)
+    finally:
+        del dist_autograd_cases.not_on_the_callee  # type: ignore[attr-defined]

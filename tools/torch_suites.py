@@ -1,0 +1,350 @@
+"""Run torch's own RPC test suites against rpc-registry and tensorpipe-backend.
+
+torch's wheel ships ``rpc_test.py``, ``dist_autograd_test.py`` and
+``dist_optimizer_test.py`` under ``torch/testing/_internal/distributed/rpc``.
+Their tests that use only public API are a fair contract for a replacement
+of ``torch.distributed.rpc``; this script finds those (reading each test and
+the helpers it calls), runs them with torch's RPC names pointed at ours
+(``torch_suites_shim.py``) and prints ``N of M applicable tests passed``.
+
+A test is not applicable when it reaches (directly or through helpers of the
+suite) a private name of ``torch.distributed`` or ``torch._C`` (``rpc.api._*``,
+debug info, ...), TorchScript, the profiler, or CUDA on a machine without a GPU.
+
+Four worker processes (torch's world size) stay up for the whole run; every
+test runs in all four with a fresh ``file://`` rendezvous, as torch's
+``dist_init`` sets it up. A test that fails is run once more in fresh
+processes, so state left by an earlier test cannot fail it.
+
+Usage::
+
+    python tools/torch_suites.py                  # all three suites
+    python tools/torch_suites.py --suite dist_autograd_test -k backward
+    python tools/torch_suites.py --list           # what is applicable, and why not
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib
+import inspect
+import multiprocessing
+import os
+import sys
+import tempfile
+import textwrap
+import time
+import traceback
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Final
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch_suites_shim
+
+PACKAGE: Final = "torch.testing._internal.distributed.rpc"
+SUITES: Final = {
+    "rpc_test": ("RpcTest", "TensorPipeAgentRpcTest"),
+    "dist_autograd_test": ("DistAutogradTest", "TensorPipeAgentDistAutogradTest"),
+    "dist_optimizer_test": ("DistOptimizerTest",),
+}
+WORLD_SIZE: Final = 4
+# Private methods of torch's RRef (the suites call them on RRef objects, not on a module).
+_PRIVATE_RREF_METHODS: Final = frozenset({"_get_type", "_get_future", "_serialize", "_set_profiling_future"})
+_PRIVATE_HOMES: Final = (
+    "torch.distributed",
+    "torch._C",
+    "torch.autograd.profiler",
+    "torch.testing._internal.dist_utils",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test: suite module, class and method; ``reason`` why it is not applicable, if so."""
+
+    suite: str
+    cls: str
+    method: str
+    reason: str | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.suite}.{self.cls}.{self.method}"
+
+
+# Finding the applicable tests.
+def _source_tree(fn: Callable[..., Any]) -> ast.AST | None:
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _private_home(value: object) -> bool:
+    home = getattr(value, "__module__", None) or getattr(value, "__name__", "")
+    return isinstance(home, str) and home.startswith(_PRIVATE_HOMES)
+
+
+def _reason(cls: type, fn: Callable[..., Any], seen: set[object]) -> str | None:
+    """Why ``fn`` (a test or a helper it calls) is not applicable, or None."""
+    fn = inspect.unwrap(fn)
+    if fn in seen:
+        return None
+    seen.add(fn)
+    tree = _source_tree(fn)
+    if tree is None:
+        return None
+    source = ast.unparse(tree)
+    if "cuda" in source.lower() and not torch_cuda_available():
+        return "CUDA (no GPU here)"
+    if "torch.jit" in source or "jit.script" in source:
+        return "TorchScript"
+    if "profiler" in source or "_profile" in source or "record_function" in source:
+        return "profiler"
+    names: dict[str, Any] = getattr(fn, "__globals__", {})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            attr = node.attr
+            if isinstance(base, ast.Name) and base.id == "self":
+                helper = getattr(cls, attr, None)
+                if inspect.isfunction(helper) or inspect.ismethod(helper):
+                    found = _reason(cls, helper, seen)
+                    if found:
+                        return found
+                continue
+            if attr in _PRIVATE_RREF_METHODS:
+                return f"private name {ast.unparse(node)}"
+            if attr.startswith("_") and not attr.startswith("__"):
+                owner = names.get(base.id) if isinstance(base, ast.Name) else None
+                if owner is None and isinstance(base, ast.Attribute):
+                    owner = base  # e.g. rpc.api._x: private wherever it lives
+                if isinstance(owner, types.ModuleType) and owner.__name__.startswith(_PRIVATE_HOMES):
+                    return f"private name {ast.unparse(node)}"
+                if isinstance(owner, ast.Attribute) and ast.unparse(owner).startswith(("rpc.", "torch.")):
+                    return f"private name {ast.unparse(node)}"
+        elif isinstance(node, ast.Name) and node.id in names:
+            value = names[node.id]
+            if isinstance(value, (torch_jit_types())):
+                return f"TorchScript ({node.id})"
+            if node.id.startswith("_") and not node.id.startswith("__") and _private_home(value):
+                return f"private name {node.id}"
+            if inspect.isfunction(value) and value.__module__.startswith("torch.testing._internal"):
+                found = _reason(cls, value, seen)
+                if found:
+                    return found
+    return None
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def torch_jit_types() -> tuple[type, ...]:
+    import torch
+
+    return (torch.jit.ScriptFunction, torch.jit.ScriptModule)
+
+
+def collect(suites: list[str], patterns: list[str] | None) -> list[Case]:
+    """The tests of ``suites`` (their names containing one of ``patterns``), each with its applicability."""
+    torch_suites_shim.install()
+    cases = []
+    for suite in suites:
+        module = importlib.import_module(f"{PACKAGE}.{suite}")
+        for cls_name in SUITES[suite]:
+            cls = getattr(module, cls_name)
+            for method in sorted(name for name in dir(cls) if name.startswith("test_")):
+                if patterns and not any(pattern in method for pattern in patterns):
+                    continue
+                fn = getattr(cls, method)
+                cases.append(Case(suite, cls_name, method, _reason(cls, fn, set())))
+    return cases
+
+
+# Running them.
+def _test_class(suite: str, cls_name: str) -> type:
+    from torch.testing._internal.common_distributed import MultiProcessTestCase
+    from torch.testing._internal.distributed.rpc.tensorpipe_rpc_agent_test_fixture import (
+        TensorPipeRpcAgentTestFixture,
+    )
+
+    name = f"Shim{cls_name}"
+    known = getattr(torch_suites_shim, name, None)
+    if isinstance(known, type):
+        return known
+    base = getattr(importlib.import_module(f"{PACKAGE}.{suite}"), cls_name)
+    cls = type(name, (base, TensorPipeRpcAgentTestFixture, MultiProcessTestCase), {})
+    # Some tests send their bound methods by RPC: the class must be importable by name everywhere.
+    cls.__module__ = torch_suites_shim.__name__
+    setattr(torch_suites_shim, name, cls)
+    return cls
+
+
+def _run_here(rank: int, case: tuple[str, str, str], file_name: str) -> tuple[str, str]:
+    """Run one test as ``rank``: ("pass" | "skip" | "fail", details)."""
+    import unittest
+
+    import rpc_registry.api
+
+    suite, cls_name, method = case
+    try:
+        cls = _test_class(suite, cls_name)
+        test = cls(method)
+        test.rank = rank
+        test.file_name = file_name
+        getattr(cls, method)(test)
+        return "pass", ""
+    except unittest.SkipTest as exc:
+        return "skip", str(exc)
+    except SystemExit as exc:
+        return "skip", f"exited with {exc.code} (torch's skip codes)"
+    except BaseException:  # noqa: BLE001 - reported to the runner
+        return "fail", traceback.format_exc()
+    finally:
+        if rpc_registry.api._state is not None:
+            # The next test starts clean either way.
+            with contextlib.suppress(Exception):
+                rpc_registry.api.shutdown(graceful=False)
+
+
+def _worker(rank: int, conn: Connection) -> None:
+    os.environ.setdefault("TENSORPIPE_BACKEND_QUIET", "1")
+    torch_suites_shim.install()
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        case, file_name = job
+        conn.send(_run_here(rank, case, file_name))
+
+
+class Pool:
+    """``WORLD_SIZE`` processes that run each test together."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        for rank in range(WORLD_SIZE):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, child), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def run(self, case: Case, timeout: float) -> tuple[str, str]:
+        """The outcome of ``case`` over all ranks: a failure on any rank fails it."""
+        with tempfile.NamedTemporaryFile(prefix="torch_suites_", delete=False) as handle:
+            file_name = handle.name
+        os.unlink(file_name)
+        try:
+            for conn in self.conns:
+                conn.send(((case.suite, case.cls, case.method), file_name))
+            deadline = time.monotonic() + timeout
+            outcomes = []
+            for rank, conn in enumerate(self.conns):
+                if not conn.poll(max(deadline - time.monotonic(), 0.0)):
+                    raise TimeoutError(f"rank {rank} did not finish {case.name} within {timeout:g} s")
+                outcomes.append(conn.recv())
+        finally:
+            # The rendezvous file and the ones tests derive from its name (file_name + "init_2", ...).
+            for leftover in Path(file_name).parent.glob(Path(file_name).name + "*"):
+                leftover.unlink(missing_ok=True)
+        for status in ("fail", "skip"):
+            for rank, (got, details) in enumerate(outcomes):
+                if got == status:
+                    return status, f"rank {rank}: {details}"
+        return "pass", ""
+
+    def close(self, graceful: bool = True) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            if graceful and proc.is_alive():
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+            proc.join(timeout=5 if graceful else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+def _run_case(pool: Pool, case: Case, timeout: float) -> tuple[Pool, str, str]:
+    try:
+        status, details = pool.run(case, timeout)
+    except (TimeoutError, EOFError, OSError) as exc:
+        pool.close(graceful=False)
+        return Pool(), "fail", f"{type(exc).__name__}: {exc}"
+    return pool, status, details
+
+
+def run(cases: list[Case], timeout: float, verbose: bool) -> Iterator[tuple[Case, str, str]]:
+    """Run the applicable ``cases``; yields each with its status and details."""
+    pool = Pool()
+    try:
+        for case in cases:
+            started = time.monotonic()
+            pool, status, details = _run_case(pool, case, timeout)
+            if status == "fail":
+                # Once more in fresh processes: the first failure may be an earlier test's leftovers.
+                pool.close(graceful=False)
+                pool, status, details = _run_case(Pool(), case, timeout)
+            if verbose:
+                print(f"{status:4} {case.name} ({time.monotonic() - started:.1f} s)", flush=True)
+            yield case, status, details
+    finally:
+        pool.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", action="append", choices=sorted(SUITES), help="default: all")
+    parser.add_argument(
+        "-k", dest="patterns", action="append", help="only tests whose name contains this (repeatable: any)"
+    )
+    parser.add_argument("--list", action="store_true", help="list the tests and why some are not applicable")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per test (default 120)")
+    parser.add_argument("--min-pass", type=float, default=0.95, help="fail below this share (default 0.95)")
+    parser.add_argument("--report", type=Path, help="write every failure's traceback to this file")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    cases = collect(args.suite or sorted(SUITES), args.patterns)
+    applicable = [case for case in cases if case.reason is None]
+    if args.list:
+        for case in cases:
+            print(f"{case.name}: {case.reason or 'applicable'}")
+        print(f"{len(applicable)} of {len(cases)} tests are applicable")
+        return 0
+    start = time.monotonic()
+    if args.report:
+        args.report.write_text("")
+    results = []
+    for case, status, details in run(applicable, args.timeout, args.verbose):
+        results.append((case, status, details))
+        if args.report and status == "fail":
+            with args.report.open("a") as report:  # as they happen: a long run can be read while it goes
+                report.write(f"== {case.name}\n{details}\n")
+    failures = [(case, details) for case, status, details in results if status == "fail"]
+    skipped = sum(1 for _, status, _ in results if status == "skip")
+    counted = len(results) - skipped
+    passed = counted - len(failures)
+    for case, details in failures:
+        last = details.strip().splitlines()[-1] if details.strip() else "?"
+        print(f"FAILED {case.name}: {last}")
+    print(
+        f"{passed} of {counted} applicable tests passed ({skipped} skipped at run time, "
+        f"{len(cases) - len(applicable)} not applicable) in {time.monotonic() - start:.0f} s"
+    )
+    return 0 if counted and passed >= args.min_pass * counted else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
