@@ -7,6 +7,7 @@
     python3 tools/dev.py wheels [DIR]     # a wheel of every package in DIR (default dist/wheels)
     python3 tools/dev.py docs [ARGS...]   # serve the documentation (mkdocs serve ARGS)
     python3 tools/dev.py bench [ARGS...]  # ours against torch's (not a test: CI times nothing)
+    python3 tools/dev.py suites [ARGS...] # torch's own RPC test suites against ours (slow; tools/torch_suites.py)
 
 Needs only Python 3.10+. Environments live in .venvs/ and are made on first
 use, then reused until what they were made from changes:
@@ -15,6 +16,7 @@ use, then reused until what they were made from changes:
     .venvs/unit-<package>   over torch: the package, the siblings it declares, pytest
     .venvs/run              over torch: every package, pytest, rich, matplotlib
     .venvs/check            over run: mypy, ruff, build, twine, mkdocs, ...
+    .venvs/suites           over run: expecttest (torch's test suites need it)
 
 An environment "over" another is a virtual environment whose site-packages
 adds the other's (a .pth file), so torch is installed once and each package's
@@ -127,6 +129,7 @@ def environments() -> dict[str, Env]:
     envs += [Env(f"unit-{p}", ("torch",), TEST_TOOLS, tuple(siblings(p))) for p in packages()]
     envs += [Env("run", ("torch",), (*TEST_TOOLS, "rich>=13", "matplotlib>=3.8"), tuple(packages()))]
     envs += [Env("check", ("torch", "run"), CHECK_TOOLS)]
+    envs += [Env("suites", ("torch", "run"), ("expecttest>=0.2",))]
     return {e.name: e for e in envs}
 
 
@@ -230,6 +233,10 @@ def demo(args: list[str]) -> int:
 
 def bench(args: list[str]) -> int:
     return _run_here([str(ensure("run")), "tools/bench.py", *args])
+
+
+def suites(args: list[str]) -> int:
+    return _run_here([str(ensure("suites")), "tools/torch_suites.py", *args])
 
 
 def docs(args: list[str]) -> int:
@@ -404,6 +411,7 @@ def main(argv: list[str]) -> int:
         "wheels": wheels,
         "docs": docs,
         "bench": bench,
+        "suites": suites,
     }
     if not argv or argv[0] not in commands:
         print(__doc__)
