@@ -55,10 +55,25 @@ def _start(world_size: int) -> tuple[str, list[tuple[Callable[..., None], tuple[
     return init_method, targets, results, go, store_port
 
 
+def test_a_worker_listens_on_no_tcp_port_but_its_authenticated_one() -> None:
+    _, targets, results, go, store_port = _start(3)
+    with spawned(targets, timeout=60) as workers:
+        ready = [results.get(timeout=60) for _ in range(3)]
+        try:
+            for _, name, pid, agent_port in ready:
+                extra = _listening_ports(pid) - {agent_port, store_port}
+                assert not extra, f"{name} listens on {sorted(extra)} beside its agent's port {agent_port}"
+        finally:
+            go.set()
+        outcomes = {name: outcome for _, name, outcome, _ in (results.get(timeout=60) for _ in range(3))}
+    assert outcomes == {"r0": "no error", "r1": "no error", "r2": "no error"}
+    assert [w.exitcode for w in workers] == [0, 0, 0]
+
+
 def test_random_bytes_on_every_listening_port_do_not_break_graceful_shutdown() -> None:
     _, targets, results, go, store_port = _start(3)
     with spawned(targets, timeout=60) as workers:
-        pids = {name: pid for _, name, pid in (results.get(timeout=60) for _ in range(3))}
+        pids = {name: pid for _, name, pid, _ in (results.get(timeout=60) for _ in range(3))}
         ports = set().union(*(_listening_ports(pid) for pid in pids.values())) - {store_port}
         assert ports, "the workers listen on no TCP port"
         for port in ports:
@@ -74,7 +89,7 @@ def test_a_worker_killed_during_shutdown_is_named_with_the_real_time_waited() ->
     never = CONTEXT.Event()  # r2 waits on its own event: killing a waiter breaks an event for the others
     targets[2] = (serve_and_report, (*targets[2][1][:5], never))
     with spawned(targets, timeout=60) as workers:
-        pids = {name: pid for _, name, pid in (results.get(timeout=60) for _ in range(3))}
+        pids = {name: pid for _, name, pid, _ in (results.get(timeout=60) for _ in range(3))}
         go.set()
         time.sleep(1.0)  # r0 and r1 wait for r2 in the shutdown barrier
         workers[2].kill()

@@ -353,7 +353,7 @@ def share_then_die(sent: Any) -> None:
 def serve_and_report(name: str, rank: int, world_size: int, init_method: str, results: Any, go: Any) -> None:
     """Join a static group, report this process's pid, wait for ``go``, shut down gracefully; report how."""
     init_rpc(name, backend(), rank, world_size, options(init_method))
-    results.put(("ready", name, os.getpid()))
+    results.put(("ready", name, os.getpid(), get_current_agent().address[1]))
     go.wait(60)
     start = time.monotonic()
     outcome = _error_text(lambda: shutdown(graceful=True, timeout=30.0))
