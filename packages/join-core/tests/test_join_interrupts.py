@@ -16,6 +16,8 @@ CARRIES = pytest.mark.parametrize("carries", [False, True], ids=["heartbeat-allr
 
 
 def _interrupted(rank: int, world_size: int, carries: bool, how: str) -> tuple[str, str, float]:
+    # A process started with SIGINT ignored (say, from a background job) has no KeyboardInterrupt handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     joinable = CountingJoinable(carries)
     start = time.monotonic()
     try:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_LIVENESS_TIMEOUT", "LivenessWatchdog", "RankLostError"]
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 #: How long a rank may go without a heartbeat before the others call it lost.
 DEFAULT_LIVENESS_TIMEOUT: Final = timedelta(seconds=5)

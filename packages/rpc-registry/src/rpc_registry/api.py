@@ -833,7 +833,7 @@ class AllGatherStates:
 
     def __init__(self) -> None:
         self.gathered_objects: dict[str, object] = {}
-        self.proceed_signal = threading.Event()
+        self.proceed_signal: threading.Event = threading.Event()
 
 
 def method_factory(method_name: str, docstring: str | None) -> Callable[..., Any]:

@@ -33,7 +33,7 @@ from .grad_contexts import GradContext
 from .protocols import WorkerInfo
 from .rref import completed, fail
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["backward", "context", "get_gradients", "is_available"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from .registry import BackendType
 
-logger = logging.getLogger(__name__)
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["backend_export"]
 

@@ -85,7 +85,7 @@ class RemoteModule(nn.Module):
         self.on: WorkerInfo = (
             get_worker_info(worker) if isinstance(worker, str) else _worker_by_rank(worker, remote_device)
         )
-        self.device = str(device)
+        self.device: str = str(device)
         self.module_rref: RRef[nn.Module] = rpc_sync(
             self.on, _create_module, args=(module_cls, tuple(args or ()), dict(kwargs or {}), self.device)
         )
