@@ -360,9 +360,9 @@ def _run_step(step: Step, stream: bool, lock: threading.Lock) -> tuple[str, floa
 def test(args: list[str]) -> int:
     """Run the steps (all, or those whose titles contain a word of ``args``) and summarize them.
 
-    Two lanes run side by side: the test suites (multi-process, one at a
-    time) and every other check; ``--serial`` runs one step at a time and
-    streams its output.
+    Two lanes run side by side: the package test suites (one at a time)
+    and every other check, the integration runs last; ``--serial`` runs one
+    step at a time and streams its output.
     """
     serial = "--serial" in args
     selected = [a for a in args if a != "--serial"]
@@ -374,7 +374,9 @@ def test(args: list[str]) -> int:
         ensure(name)
     lanes: dict[bool, list[Step]] = {}
     for step in chosen:
-        lanes.setdefault(step.pytest and not serial and step.env != "check", []).append(step)
+        # The package suites in one lane; the checks, then the integration runs, in the other.
+        unit = bool(step.env and step.env.startswith("unit-"))
+        lanes.setdefault(unit and not serial, []).append(step)
     results: dict[str, tuple[str, float, str]] = {}
     lock = threading.Lock()
 
