@@ -375,8 +375,8 @@ def test(args: list[str]) -> int:
     lanes: dict[bool, list[Step]] = {}
     for step in chosen:
         # The package suites in one lane; the checks, then the integration runs, in the other.
-        unit = bool(step.env and step.env.startswith("unit-"))
-        lanes.setdefault(unit and not serial, []).append(step)
+        suite = step.pytest and step.env not in ("check", "run")
+        lanes.setdefault(suite and not serial, []).append(step)
     results: dict[str, tuple[str, float, str]] = {}
     lock = threading.Lock()
 
