@@ -146,8 +146,9 @@ class LivenessWatchdog:
     def stop(self) -> None:
         """Stop, telling the other ranks this one left (not lost)."""
         self._stop.set()
-        # The thread may be inside a store call; it ends by itself within the timeout.
-        self._thread.join(self._interval)
+        # The thread may be inside a store call, which its own client bounds by the timeout. Wait
+        # for it: a process that exits while the thread is inside the store's C++ client aborts.
+        self._thread.join(self._timeout.total_seconds() + self._interval)
 
     def lost(self) -> dict[int, str]:
         """The lost ranks seen so far, with what was seen (empty while all are alive)."""
@@ -175,6 +176,9 @@ class LivenessWatchdog:
         finally:
             with suppress(Exception):  # the store may be gone; nothing waits on this
                 store.set(own, _LEFT)
+            # Release our client here, on this thread, while the process is whole: torch's store
+            # client destroyed during interpreter shutdown aborts the process.
+            del store
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}{rank}"
