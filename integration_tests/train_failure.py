@@ -22,7 +22,6 @@ from training_common import distributed, make_batch, make_model, make_parser, ra
 
 from ddp_join import DistributedDataParallel, ZeroRedundancyOptimizer
 from join_core import Join, RankLostError
-from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT
 
 
 def main(argv: list[str]) -> int:
@@ -41,7 +40,7 @@ def main(argv: list[str]) -> int:
             optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
             last_step = time.monotonic()
             try:
-                with Join([model, optimizer], liveness_timeout=DEFAULT_LIVENESS_TIMEOUT):
+                with Join([model, optimizer]):
                     for step in range(args.base + me.rank * args.extra):
                         x, y = make_batch(100 * me.rank + step, me.device)
                         loss = torch.nn.functional.mse_loss(model(x), y)

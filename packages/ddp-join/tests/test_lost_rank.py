@@ -16,7 +16,6 @@ from ddp_cases import batch, loss_fn, make_model
 
 from ddp_join import DistributedDataParallel, ZeroRedundancyOptimizer
 from join_core import Join, RankLostError
-from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT
 from join_core.testing import RanksFailedError, run_ranks
 
 #: What the loss of a rank may take to be told, at Join's default liveness timeout.
@@ -32,7 +31,7 @@ def _train_and_lose_rank(rank: int, world_size: int, how: str, where: str) -> No
     lost = signal.SIGSTOP if how == "freeze" else signal.SIGKILL
     last_progress = time.monotonic()
     try:
-        with Join([model, optimizer], liveness_timeout=DEFAULT_LIVENESS_TIMEOUT):
+        with Join([model, optimizer]):
             for step in range(100_000):
                 optimizer.zero_grad()
                 loss = loss_fn(model, *batch(rank, step % 8))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from counting_joinable import CountingJoinable
 
 from join_core import Join, RankLostError
-from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, _decode
+from join_core.liveness import _decode
 from join_core.testing import RanksFailedError, run_ranks
 
 # torch's stubs do not re-export the store class it documents publicly.
@@ -42,7 +42,7 @@ def _lose_rank(rank: int, world_size: int, carries: bool, how: str) -> None:
     joinable = CountingJoinable(carries)
     last_step = time.monotonic()
     try:
-        with Join([joinable], liveness_timeout=DEFAULT_LIVENESS_TIMEOUT):
+        with Join([joinable]):
             for i in range(100_000):
                 if rank == 2 and i == 3:
                     os.kill(os.getpid(), signal.SIGSTOP if how == "freeze" else signal.SIGKILL)
@@ -129,7 +129,7 @@ def _rank_serving_the_store(
         )
         joinable = CountingJoinable(True)
         last_step = start = time.monotonic()
-        with Join([joinable], liveness_timeout=DEFAULT_LIVENESS_TIMEOUT):
+        with Join([joinable]):
             for _ in range(1_000_000):
                 if rank == 0 and time.monotonic() - start > 2:
                     os.kill(os.getpid(), signal.SIGKILL)  # mid-training

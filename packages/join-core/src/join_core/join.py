@@ -16,7 +16,7 @@ from typing_extensions import Self
 
 from join_core.hook import JoinHook
 from join_core.joinable import Joinable
-from join_core.liveness import LivenessWatchdog, RankLostError
+from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, LivenessWatchdog, RankLostError
 
 __all__ = ["Join", "JoinAbortedError"]
 
@@ -85,12 +85,9 @@ class Join:
         liveness_timeout: a rank that sends no heartbeat through the store
             for this long (it died, froze or was cut off) is lost: every
             other rank raises :class:`RankLostError` naming it, at most
-            ``liveness_timeout * 1.2`` plus a moment after the loss
-            (``DEFAULT_LIVENESS_TIMEOUT``, 5 s, is a good start). None (the
-            default for now: with the watch on, a process was seen to abort
-            at exit now and then under torchrun's agent store) turns the
-            watch off; then only the process group's timeout ends a wait on
-            a frozen rank.
+            ``liveness_timeout * 1.2`` plus a moment after the loss. None
+            turns the watch off (then only the process group's timeout ends
+            a wait on a frozen rank).
         kwargs: passed to every joinable's ``join_hook``.
 
     Example::
@@ -107,7 +104,7 @@ class Join:
         enable: bool = True,
         throw_on_early_termination: bool = False,
         *,
-        liveness_timeout: timedelta | None = None,
+        liveness_timeout: timedelta | None = DEFAULT_LIVENESS_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         given: object = joinables  # callers without type checking pass anything
