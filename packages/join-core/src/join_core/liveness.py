@@ -127,7 +127,10 @@ class LivenessWatchdog:
         self._verdict_ready = threading.Event()
         self._verdict: dict[int, str] = {}
         self._store_port: int | None = None
-        self._thread = threading.Thread(target=self._run, name="join-liveness", daemon=True)
+        self._store_lost = False  # set by the thread: then it writes nothing more
+        # Not a daemon: the interpreter waits for it at exit (a thread killed inside torch's store
+        # client aborts the process), and stop() need not.
+        self._thread = threading.Thread(target=self._run, name="join-liveness", daemon=False)
 
     def start(self) -> None:
         """Publish this rank's connections and first heartbeat, then beat and
@@ -137,18 +140,18 @@ class LivenessWatchdog:
         that freezes right after entering its Join is watched all the same."""
         store = self._group.get_group_store()
         self._store_port = _store_port(store)
-        # Endpoints first: a rank whose heartbeat is seen has published them.
-        published = _encode(_own_endpoints(self._store_port), _hosts_store(self._store_port))
-        store.set(self._endpoints_key(self._rank), published)
-        store.set(self._key(self._rank), "0")
+        published = _encode(*_own_endpoints(self._store_port))
+        # One round trip; endpoints first: a rank whose heartbeat is seen has published them.
+        multi_set: Any = store.multi_set  # type: ignore[attr-defined]  # missing from torch's stubs
+        multi_set([self._endpoints_key(self._rank), self._key(self._rank)], [published, "0"])
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop, telling the other ranks this one left (not lost)."""
+        """Stop, telling the other ranks this one left (not lost).
+
+        Returns at once; the thread says so within a store round trip, and
+        the interpreter waits for it at exit."""
         self._stop.set()
-        # The thread may be inside a store call, which its own client bounds by the timeout. Wait
-        # for it: a process that exits while the thread is inside the store's C++ client aborts.
-        self._thread.join(self._timeout.total_seconds() + self._interval)
 
     def lost(self) -> dict[int, str]:
         """The lost ranks seen so far, with what was seen (empty while all are alive)."""
@@ -163,6 +166,12 @@ class LivenessWatchdog:
     # The thread.
 
     def _run(self) -> None:
+        # The first round after one beat: a Join shorter than that costs no client of our own
+        # (connecting one holds the GIL for a moment the main thread would pay for).
+        if self._stop.wait(self._interval):
+            with suppress(Exception):  # nothing waits on this
+                self._group.get_group_store().set(self._key(self._rank), _LEFT)
+            return
         try:
             store = _own_client(self._group.get_group_store(), self._timeout)
         except Exception as error:  # noqa: BLE001 - liveness is a safety net, not a requirement
@@ -174,8 +183,9 @@ class LivenessWatchdog:
         except Exception as error:  # noqa: BLE001 - see above; the main thread must not be disturbed
             logger.warning("Join: rank %d stopped watching liveness: %s", self._rank, error)
         finally:
-            with suppress(Exception):  # the store may be gone; nothing waits on this
-                store.set(own, _LEFT)
+            if not self._store_lost:
+                with suppress(Exception):  # nothing waits on this
+                    store.set(own, _LEFT)
             # Release our client here, on this thread, while the process is whole: torch's store
             # client destroyed during interpreter shutdown aborts the process.
             del store
@@ -199,7 +209,7 @@ class LivenessWatchdog:
         verdict_at: float | None = None
         escalated = False
         store_lost = False
-        first = True  # the first round at once: learn who serves the store early
+        first = True  # the first round at once (one beat after the start)
         while first or not self._stop.wait(self._interval):
             first = False
             now = time.monotonic()
@@ -245,7 +255,7 @@ class LivenessWatchdog:
                         }
                         peers = set().union(*endpoints.values())
                     self._judge(lost, peers, store_port)
-                    store_lost = True
+                    store_lost = self._store_lost = True
                 continue
             if now - last_round > timeout_s / 2:
                 # This thread itself was held up (a loaded host, a stopped
@@ -342,11 +352,26 @@ def _connections(store_port: int | None) -> list[tuple[socket.socket, _Endpoint,
     return found
 
 
-def _own_endpoints(store_port: int | None) -> list[_Endpoint]:
-    connections = _connections(store_port)
-    for sock, _, _ in connections:
-        sock.close()
-    return [local for _, local, _ in connections]
+def _own_endpoints(store_port: int | None) -> tuple[list[_Endpoint], bool]:
+    """The local ends of this process's connections (but the store's), and
+    whether this process serves the store (has a listener on its port)."""
+    endpoints, hosts_store = [], False
+    for sock in _tcp_sockets():
+        try:
+            local = sock.getsockname()
+            try:
+                peer = sock.getpeername()
+            except OSError:
+                hosts_store = hosts_store or (store_port is not None and local[1] == store_port)
+                continue  # a listener
+            if store_port is not None and store_port in (local[1], peer[1]):
+                continue
+            endpoints.append((_normalize(local[0]), int(local[1])))
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        finally:
+            sock.close()
+    return endpoints, hosts_store
 
 
 def _shut_down(peers: set[_Endpoint], store_port: int | None) -> None:
@@ -361,23 +386,6 @@ def _shut_down(peers: set[_Endpoint], store_port: int | None) -> None:
         finally:
             sock.close()
     logger.info("Join: shut down %d connection(s) to lost or departed ranks", count)
-
-
-def _hosts_store(store_port: int | None) -> bool:
-    """Whether this process serves the store (has a listener on its port)."""
-    hosts = False
-    for sock in _tcp_sockets():
-        try:
-            if not hosts and store_port is not None and sock.getsockname()[1] == store_port:
-                try:
-                    sock.getpeername()
-                except OSError:
-                    hosts = True  # not connected: the listener
-        except OSError:
-            pass
-        finally:
-            sock.close()
-    return hosts
 
 
 def _encode(endpoints: list[_Endpoint], hosts_store: bool) -> str:
