@@ -156,17 +156,25 @@ def run_ranks(
             if not outcome.ok:
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
     finally:
-        for proc in procs:
+        killed = set()
+        for rank, proc in enumerate(procs):
             proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
             if proc.is_alive():
+                killed.add(rank)
                 proc.kill()
                 proc.join(timeout=5.0)
         results.close()
         del store
     failures = {rank: o.error for rank, o in outcomes.items() if not o.ok}
     for rank, proc in enumerate(procs):
-        if rank not in outcomes:
-            failures[rank] = f"no result within {timeout:.0f} s (exit code {proc.exitcode})"
+        if rank in outcomes:
+            continue
+        if rank not in killed:
+            failures[rank] = f"exited with code {proc.exitcode} before reporting a result"
+        elif any(not o.ok for o in outcomes.values()):
+            failures[rank] = "killed without a result (another rank had failed)"
+        else:
+            failures[rank] = f"no result within {timeout:.0f} s: killed"
     if failures:
         raise RanksFailedError(failures)
     return [outcomes[rank].value for rank in range(world_size)]  # type: ignore[misc]
