@@ -3,18 +3,22 @@
 Both sides send a fresh random nonce; each proves it holds the job's secret
 (see :mod:`tensorpipe_backend.secret`) with an HMAC over both nonces and its
 identity, so a recorded exchange cannot be replayed. The messages are
-fixed-size structs (no pickle). The server, which anyone who can reach its
-port or its Unix socket may talk to, says nothing about itself before the
-client proved the secret: its name and rank come only with its verdict.
+structs (no pickle). Neither end tells who it is to one that has not proved
+the secret: the server, which anyone who can reach its port or its Unix
+socket may talk to, gives its name and rank only with its verdict; the
+client, which may have dialed an impostor, sends its own sealed: XORed with
+a keystream only holders of the secret can derive (HMAC-SHA256 of both
+nonces and a counter), padded to a fixed size, and covered by the proof's MAC.
 
 Handshake, server ``S`` and dialing client ``C``::
 
     S -> C  hello:   magic, version, nonce_s
-    C -> S  proof:   magic, nonce_c, rank_c, name_c, HMAC(secret, "client" nonce_s nonce_c rank_c name_c)
+    C -> S  proof:   magic, nonce_c, sealed = seal(rank_c, name_c), HMAC(secret, "client" nonce_s nonce_c sealed)
     S -> C  verdict: status, rank_s, name_s, HMAC(secret, "server" nonce_c nonce_s status rank_s name_s)
 
-``S`` closes without a verdict when the proof is wrong; ``C`` checks the
-verdict's HMAC and that ``S`` is the worker it meant to reach.
+``S`` reads a fixed-size proof, checks its MAC, then unseals; it closes
+without a verdict when the proof is wrong. ``C`` checks the verdict's HMAC
+and that ``S`` is the worker it meant to reach.
 """
 
 from __future__ import annotations
@@ -42,11 +46,12 @@ __all__ = [
 ]
 
 _MAGIC: Final = b"TPBA"
-_VERSION: Final = 2
+_VERSION: Final = 3
 _NONCE: Final = 32
 _MAX_NAME: Final = 255
 _HELLO: Final = struct.Struct(f"!4sB{_NONCE}s")
-_PROOF: Final = struct.Struct(f"!4s{_NONCE}sqB")
+_IDENTITY: Final = struct.Struct(f"!qB{_MAX_NAME}s")  # rank, name length, name padded with zeros
+_PROOF: Final = struct.Struct(f"!4s{_NONCE}s{_IDENTITY.size}s")
 _VERDICT: Final = struct.Struct("!BqB")
 _MAC: Final = hashlib.sha256().digest_size
 
@@ -85,6 +90,33 @@ def _encode_name(name: str) -> bytes:
     return raw
 
 
+def _keystream(secret: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
+    blocks = -(-_IDENTITY.size // _MAC)
+    return b"".join(
+        hmac.new(secret, b"seal" + nonce_s + nonce_c + bytes([i]), hashlib.sha256).digest()
+        for i in range(blocks)
+    )[: _IDENTITY.size]
+
+
+def _xor(data: bytes, key: bytes) -> bytes:
+    return (int.from_bytes(data, "big") ^ int.from_bytes(key, "big")).to_bytes(len(data), "big")
+
+
+def _seal(me: PeerIdentity, secret: bytes, nonce_s: bytes, nonce_c: bytes) -> bytes:
+    name = _encode_name(me.name)
+    return _xor(_IDENTITY.pack(me.rank, len(name), name), _keystream(secret, nonce_s, nonce_c))
+
+
+def _unseal(sealed: bytes, secret: bytes, nonce_s: bytes, nonce_c: bytes) -> PeerIdentity:
+    rank, length, padded = _IDENTITY.unpack(_xor(sealed, _keystream(secret, nonce_s, nonce_c)))
+    if not 0 < length <= _MAX_NAME:
+        raise AuthenticationError(f"the peer sent a worker name of {length} bytes")
+    try:
+        return PeerIdentity(padded[:length].decode(), rank)
+    except UnicodeDecodeError:
+        raise AuthenticationError("the peer sent a worker name that is not UTF-8") from None
+
+
 def _read_name(sock: socket.socket, length: int) -> str:
     if length == 0:
         raise AuthenticationError("the peer sent an empty worker name")
@@ -110,19 +142,14 @@ def server_handshake(
     nonce_s = secrets.token_bytes(_NONCE)
     name_s = _encode_name(me.name)
     sock.sendall(_HELLO.pack(_MAGIC, _VERSION, nonce_s))
-    magic, nonce_c, rank_c, name_len = _PROOF.unpack(recv_exact(sock, _PROOF.size))
+    magic, nonce_c, sealed = _PROOF.unpack(recv_exact(sock, _PROOF.size))
     if magic != _MAGIC:
         raise AuthenticationError(f"bad magic {bytes(magic)!r}: the client does not speak this protocol")
-    name_c = _read_name(sock, name_len)
     mac = bytes(recv_exact(sock, _MAC))
-    expected = hmac.new(
-        secret, b"client" + nonce_s + nonce_c + _identity_bytes(rank_c, name_c), hashlib.sha256
-    ).digest()
+    expected = hmac.new(secret, b"client" + nonce_s + nonce_c + sealed, hashlib.sha256).digest()
     if not hmac.compare_digest(mac, expected):
-        raise AuthenticationError(
-            f"a client claiming to be {name_c!r} (rank {rank_c}) failed the secret check"
-        )
-    peer = PeerIdentity(name_c, rank_c)
+        raise AuthenticationError("a client failed the secret check")
+    peer = _unseal(sealed, secret, nonce_s, nonce_c)
     status = decide(peer)
     verdict = hmac.new(
         secret,
@@ -149,9 +176,9 @@ def client_handshake(
             f"expected {_VERSION}); run the same tensorpipe-backend version on every worker"
         )
     nonce_c = secrets.token_bytes(_NONCE)
-    name_c = _encode_name(me.name)
-    mac = hmac.new(secret, b"client" + nonce_s + nonce_c + _identity_bytes(me.rank, me.name), hashlib.sha256)
-    sock.sendall(_PROOF.pack(_MAGIC, nonce_c, me.rank, len(name_c)) + name_c + mac.digest())
+    sealed = _seal(me, secret, nonce_s, nonce_c)
+    mac = hmac.new(secret, b"client" + nonce_s + nonce_c + sealed, hashlib.sha256)
+    sock.sendall(_PROOF.pack(_MAGIC, nonce_c, sealed) + mac.digest())
     reached = f"worker {expected.name}" if expected is not None else "the server"
     try:
         status_byte, rank_s, name_len = _VERDICT.unpack(recv_exact(sock, _VERDICT.size))

@@ -1,0 +1,112 @@
+"""The handshake on its own, over a socket pair: what each end learns, and when."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tensorpipe_backend import auth
+from tensorpipe_backend.auth import (
+    AuthenticationError,
+    HandshakeStatus,
+    PeerIdentity,
+    client_handshake,
+    server_handshake,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+SECRET = b"the job's secret"
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected (server, client) pair, closed after the test."""
+    server, client = socket.socketpair()
+    for sock in (server, client):
+        sock.settimeout(10)
+    with server, client:
+        yield server, client
+
+
+def test_a_client_tells_its_name_and_rank_to_no_server_that_has_not_proved_the_secret(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    server, client = pair
+    me = PeerIdentity("trainer-with-a-telling-name", 4242)
+    outcome: list[BaseException] = []
+
+    def dial() -> None:
+        try:
+            client_handshake(client, SECRET, me, None)
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            outcome.append(error)
+
+    thread = threading.Thread(target=dial)
+    thread.start()
+    # An impostor: it speaks the protocol but does not hold the secret.
+    server.sendall(auth._HELLO.pack(auth._MAGIC, auth._VERSION, os.urandom(auth._NONCE)))
+    received = b""
+    server.settimeout(1)
+    try:
+        while chunk := server.recv(4096):
+            received += chunk
+    except TimeoutError:
+        pass  # the client waits for a verdict: it has sent all it will
+    server.close()
+    thread.join(10)
+    assert len(received) == auth._PROOF.size + auth._MAC  # fixed: the name's length is not told either
+    assert me.name.encode() not in received
+    assert struct.pack("!q", me.rank) not in received
+    assert len(outcome) == 1 and isinstance(outcome[0], AuthenticationError)
+
+
+@pytest.mark.parametrize("name", ["w1", "é" * 127, "x" * 255])
+def test_the_server_learns_the_client_it_authenticated(
+    name: str, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    server, client = pair
+    seen: dict[str, Any] = {}
+
+    def serve() -> None:
+        peer, _ = server_handshake(
+            server, SECRET, PeerIdentity("server", 0), lambda p: HandshakeStatus.ACCEPTED
+        )
+        seen["peer"] = peer
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    reached, status = client_handshake(client, SECRET, PeerIdentity(name, 7), PeerIdentity("server", 0))
+    thread.join(10)
+    assert seen["peer"] == PeerIdentity(name, 7)
+    assert (reached, status) == (PeerIdentity("server", 0), HandshakeStatus.ACCEPTED)
+
+
+def test_a_server_that_holds_another_secret_learns_nothing_and_refuses(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    server, client = pair
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            server_handshake(
+                server, b"another secret", PeerIdentity("server", 0), lambda p: HandshakeStatus.ACCEPTED
+            )
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            errors.append(error)
+        finally:
+            server.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    with pytest.raises(AuthenticationError, match="holds a different secret"):
+        client_handshake(client, SECRET, PeerIdentity("w1", 1), None)
+    thread.join(10)
+    assert len(errors) == 1 and str(errors[0]) == "a client failed the secret check"
