@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -64,3 +65,17 @@ def test_surviving_ranks_name_the_lost_rank_within_seconds(how: str, where: str)
     # Only the lost rank failed: the survivors' own checks passed.
     assert list(failed.value.failures) == [2], str(failed.value)
     assert "exit code -9" in failed.value.failures[2]
+
+
+def _join_with_liveness_timeout(rank: int, world_size: int) -> str:
+    model = DistributedDataParallel(make_model())
+    with pytest.raises(ValueError) as refused:
+        model.join(liveness_timeout=timedelta(0))
+    return str(refused.value)
+
+
+def test_model_join_passes_its_liveness_timeout_to_the_join() -> None:
+    [message] = run_ranks(_join_with_liveness_timeout, 1)
+    assert (
+        message == "Join(liveness_timeout=datetime.timedelta(0)): must be positive; pass None to turn it off"
+    )

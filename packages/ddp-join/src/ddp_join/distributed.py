@@ -7,6 +7,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 import torch
@@ -16,7 +17,7 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ddp_join._groups import global_rank, resolve_group
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook
-from join_core import Join, JoinHook
+from join_core import DEFAULT_LIVENESS_TIMEOUT, Join, JoinHook
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -463,6 +464,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         divide_by_initial_world_size: bool = True,
         enable: bool = True,
         throw_on_early_termination: bool = False,
+        *,
+        liveness_timeout: timedelta | None = DEFAULT_LIVENESS_TIMEOUT,
     ) -> Join:
         """A :class:`join_core.Join` over this model alone.
 
@@ -473,11 +476,15 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             enable: False turns join logic off (for inputs known to be even).
             throw_on_early_termination: raise on every rank as soon as one
                 runs out of inputs.
+            liveness_timeout: as :class:`join_core.Join`'s: a rank silent
+                this long is lost and named on every other rank; None turns
+                the watch off.
         """
         return Join(
             [self],
             enable=enable,
             throw_on_early_termination=throw_on_early_termination,
+            liveness_timeout=liveness_timeout,
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
 

@@ -8,10 +8,11 @@ not, so nobody hangs. See :class:`Join`, :class:`Joinable` and :class:`JoinHook`
 from join_core.hook import JoinHook
 from join_core.join import Join, JoinAbortedError
 from join_core.joinable import Joinable
-from join_core.liveness import RankLostError
+from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, RankLostError
 from join_core.shadow import CollectiveMismatchError, ShadowCollectives
 
 __all__ = [
+    "DEFAULT_LIVENESS_TIMEOUT",
     "CollectiveMismatchError",
     "Join",
     "JoinAbortedError",
