@@ -3,6 +3,7 @@ state dict, each under uneven inputs: no hang, every rank identical."""
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,10 @@ def test_unused_parameters_under_join(device: str, backend: str) -> None:
     assert all(never_grad_is_none for _, never_grad_is_none in results)
 
 
+def _refuse_to_unpickle(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("consolidate_state_dict unpickled what a peer sent")
+
+
 def _zero_state(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     model = DistributedDataParallel(make_model())
     optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
@@ -197,8 +202,19 @@ def _zero_state(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         optimizer.zero_grad()
         loss_fn(model, *batch(rank, step)).backward()
         optimizer.step()
-    optimizer.consolidate_state_dict(to=0)
+    real_loads = pickle.loads
+    pickle.loads = _refuse_to_unpickle  # nothing that came from a peer is unpickled
+    try:
+        optimizer.consolidate_state_dict(to=0)
+    finally:
+        pickle.loads = real_loads
     state = optimizer.state_dict() if rank == 0 else None
+    if state is not None:
+        # This rank's own shard comes back bit for bit.
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        for param, local in optimizer.optim.state.items():
+            for key, value in local.items():
+                assert torch.equal(state["state"][index[id(param)]][key], value), key
     # Load the consolidated state into a fresh ZeRO and a plain Adam.
     path = f"{tmp}/zero.pt"
     if rank == 0:

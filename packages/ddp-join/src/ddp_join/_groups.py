@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import pickle
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,27 +28,26 @@ def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
     return int(dist.get_global_rank(group, group_rank))
 
 
-def gather_objects(obj: object, dst: int, group: dist.ProcessGroup) -> list[Any] | None:
-    """Pickle ``obj`` on every rank and gather the objects on group rank ``dst``
-    (a list in rank order there, None elsewhere). Unlike torch's *_object
-    collectives it does not need NumPy."""
-    payload = pickle.dumps(obj)
+def gather_bytes(data: bytes, dst: int, group: dist.ProcessGroup) -> list[bytes] | None:
+    """Every rank's ``data`` gathered on group rank ``dst`` (a list in rank
+    order there, None elsewhere). The bytes stay bytes: nothing is unpickled."""
     # NCCL moves only CUDA tensors; gloo and others take CPU ones.
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sizes, size, group=group)
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     is_dst = dist.get_rank(group) == dst
     buffers = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] if is_dst else None
     dist.gather(padded.to(device), buffers, dst=global_rank(group, dst), group=group)
     if buffers is None:
         return None
-    received = [b.cpu() for b in buffers]
-    return [pickle.loads(ctypes.string_at(b.data_ptr(), int(s))) for b, s in zip(received, sizes)]
+    received = [b.cpu() for b in buffers]  # alive while read
+    return [ctypes.string_at(b.data_ptr(), int(s)) for b, s in zip(received, sizes)]
 
 
 def all_gather_bytes(data: bytes, device: torch.device, group: dist.ProcessGroup, limit: int) -> list[bytes]:

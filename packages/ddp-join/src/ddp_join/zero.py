@@ -8,7 +8,8 @@ from typing import Any, Final, overload
 import torch
 import torch.distributed as dist
 
-from ddp_join._groups import gather_objects, global_rank, resolve_group
+from ddp_join._groups import gather_bytes, global_rank, resolve_group
+from ddp_join.optimizer_state import decode_state, encode_state
 from join_core import Join, JoinHook
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -225,8 +226,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         index = self._global_index()
         local = self.optim.state_dict()
         local_params = [p for g in self.optim.param_groups for p in g["params"]]
-        mine = {index[id(local_params[i])]: _to_cpu(state) for i, state in local["state"].items()}
-        self._consolidated = gather_objects(mine, to, self.process_group)
+        mine = encode_state({index[id(local_params[i])]: state for i, state in local["state"].items()})
+        gathered = gather_bytes(mine, to, self.process_group)
+        self._consolidated = None if gathered is None else [decode_state(shard) for shard in gathered]
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state, as a plain ``optimizer_class`` state dict
@@ -339,11 +341,3 @@ def _fill_defaults(global_group: dict[str, Any], local_group: dict[str, Any]) ->
     for key, value in local_group.items():
         if key != "params":
             global_group.setdefault(key, value)
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
