@@ -64,7 +64,7 @@ def test_surviving_ranks_name_the_lost_rank_within_seconds(how: str, where: str)
         run_ranks(_train_and_lose_rank, 3, how, where, timeout=60)
     # Only the lost rank failed: the survivors' own checks passed.
     assert list(failed.value.failures) == [2], str(failed.value)
-    assert "exit code -9" in failed.value.failures[2]
+    assert "exited with code -9" in failed.value.failures[2]
 
 
 def _join_with_liveness_timeout(rank: int, world_size: int) -> str:

@@ -67,7 +67,7 @@ def test_every_surviving_rank_names_a_lost_rank_within_seconds(carries: bool, ho
         run_ranks(_lose_rank, 3, carries, how, timeout=60)
     # Only the lost rank failed: the survivors' own checks passed.
     assert list(failed.value.failures) == [2], str(failed.value)
-    assert "exit code -9" in failed.value.failures[2]
+    assert "exited with code -9" in failed.value.failures[2]
 
 
 def _slow(rank: int, world_size: int) -> list[float]:

@@ -142,8 +142,13 @@ class LivenessWatchdog:
         self._store_port = _store_port(store)
         published = _encode(*_own_endpoints(self._store_port))
         # One round trip; endpoints first: a rank whose heartbeat is seen has published them.
-        multi_set: Any = store.multi_set  # type: ignore[attr-defined]  # missing from torch's stubs
-        multi_set([self._endpoints_key(self._rank), self._key(self._rank)], [published, "0"])
+        keys, values = [self._endpoints_key(self._rank), self._key(self._rank)], [published, "0"]
+        multi_set: Any = getattr(store, "multi_set", None)  # missing from torch's stubs, and from older torch
+        if multi_set is not None:
+            multi_set(keys, values)
+        else:
+            for key, value in zip(keys, values):
+                store.set(key, value)
         self._thread.start()
 
     def stop(self) -> None:
