@@ -1,6 +1,6 @@
 """Benchmarks: ours against torch's own implementation, in one run.
 
-    python3 tools/dev.py bench [--rounds N] [--quick]
+    python3 tools/dev.py bench [--rounds N] [--quick] [--scale] [--two-hosts] [--only SECTIONS]
 
 Each figure runs ours and torch's alternately over several rounds inside the
 same two processes (127.0.0.1, gloo, CPU), and reports medians. Writes
@@ -8,6 +8,13 @@ bench/results.md and bench/results.png, prints the table, and exits 1 if a
 goal is missed. Also counts, with torch.profiler, the gloo collectives one
 healthy iteration issues with and without Join. The FSDP2 and ZeRO memory
 figures come from tools/bench_fsdp.py.
+
+The second round's figures are measured against limits: our DDP step over
+the same step with no communication, DDP at 4 ranks, rpc_sync against a raw
+socket round trip in the same processes, a parameter server (8 trainers).
+``--scale`` adds 24 RPC workers on one host (tools/bench_scale.py) and
+``--two-hosts`` a 64 MiB echo between two network namespaces (root;
+tools/bench_hosts.py). ``uptime`` before and after goes in the results.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from bench_fsdp import fsdp_figures
-from bench_rpc import rpc_figures
+from bench_hosts import two_host_figures
+from bench_rpc import ps_figures, rpc_figures
+from bench_scale import scale_figures
 from bench_shadow import shadow_figures
 from benchlib import Figure, write_results
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -92,6 +101,40 @@ def _step_times(rank: int, world_size: int, model_name: str, batch: int, steps: 
             for join in (False, True) if round_ % 2 == 0 else (True, False):
                 key = f"{kind}{'+join' if join else ''}"
                 times.setdefault(key, []).append(_timed_steps(model, optimizer, data, steps // 2, join))
+    return times
+
+
+def _overlap(rank: int, world_size: int, steps: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per step of our DDP on the MLP, and of the same model with no communication at
+    all: rank 0 alone (the other ranks wait in a barrier), same batch and one thread."""
+    torch.set_num_threads(1)
+    data = torch.randn(32, 256)
+    model, optimizer = _trainer("ours", _mlp)
+    local = _mlp()
+    local_optimizer = torch.optim.SGD(local.parameters(), lr=0.01)
+
+    def local_steps(count: int) -> float:
+        dist.barrier()
+        elapsed = 0.0
+        if rank == 0:
+            start = time.perf_counter()
+            for _ in range(count):
+                local_optimizer.zero_grad()
+                local(data).pow(2).mean().backward()
+                local_optimizer.step()
+            elapsed = (time.perf_counter() - start) / count
+        dist.barrier()
+        return elapsed
+
+    _timed_steps(model, optimizer, data, 5, join=False)  # warm-up
+    local_steps(5)
+    times: dict[str, list[float]] = {"ddp": [], "local": []}
+    for round_ in range(rounds * 2):
+        for kind in ("ddp", "local") if round_ % 2 == 0 else ("local", "ddp"):
+            if kind == "ddp":
+                times[kind].append(_timed_steps(model, optimizer, data, steps, join=False))
+            else:
+                times[kind].append(local_steps(steps))
     return times
 
 
@@ -227,6 +270,55 @@ def ddp_figures(rounds: int, quick: bool) -> list[Figure]:
     return figures
 
 
+def round_two_ddp_figures(rounds: int, quick: bool) -> list[Figure]:
+    """Our DDP step over the same step without communication, and DDP at 4 ranks against torch's."""
+    steps = 10 if quick else 30
+    times = run_ranks(_overlap, 2, steps, rounds, timeout=900)[0]
+    ddp, local = _median(times["ddp"]), _median(times["local"])
+    figures = [
+        Figure(
+            "DDP overlap: our step / no-communication step, MLP, batch 32",
+            "ms/step",
+            ddp * 1e3,
+            local * 1e3,
+            "<= 1.10x",
+            ddp / local,
+            ddp <= 1.10 * local,
+            reference="no comm.",
+        )
+    ]
+    times = run_ranks(_step_times, 4, "mlp", 32, steps, rounds, timeout=1800)[0]
+    ours, theirs = _median(times["ours"]), _median(times["torch"])
+    figures.append(
+        Figure(
+            "DDP step at 4 ranks, MLP, batch 32",
+            "ms/step",
+            ours * 1e3,
+            theirs * 1e3,
+            ">= 1.0x",
+            theirs / ours,
+            ours <= theirs,
+        )
+    )
+    return figures
+
+
+SECTIONS: dict[str, Callable[[int, bool], list[Figure]]] = {
+    "ddp": ddp_figures,
+    "fsdp": fsdp_figures,
+    "overlap": round_two_ddp_figures,
+    "rpc": rpc_figures,
+    "ps": ps_figures,
+    "scale": lambda rounds, quick: scale_figures(),
+    "two-hosts": two_host_figures,
+}
+
+
+def _uptime() -> str:
+    with open("/proc/loadavg") as loadavg:
+        return "load average " + ", ".join(loadavg.read().split()[:3])
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -234,12 +326,27 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per figure (default 5)")
     parser.add_argument("--quick", action="store_true", help="fewer steps per round, for a smoke run")
     parser.add_argument("--ddp-only", action="store_true", help="skip the RPC figures")
+    parser.add_argument("--scale", action="store_true", help="add RPC at scale: 24 workers on one host")
+    parser.add_argument(
+        "--two-hosts", action="store_true", help="add the echo between two network namespaces (root)"
+    )
+    parser.add_argument(
+        "--only",
+        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all but scale, two-hosts)",
+    )
     args = parser.parse_args(argv)
-    figures = ddp_figures(args.rounds, args.quick)
-    figures += fsdp_figures(args.rounds, args.quick)
-    if not args.ddp_only:
-        figures += rpc_figures(args.rounds, args.quick)
-    table = write_results(figures, args.rounds, ROOT / "bench")
+    if args.only:
+        sections = args.only.split(",")
+        unknown = [s for s in sections if s not in SECTIONS]
+        if unknown:
+            parser.error(f"--only: unknown sections {unknown}; choose from {','.join(SECTIONS)}")
+    else:
+        sections = ["ddp", "fsdp", "overlap"] + ([] if args.ddp_only else ["rpc", "ps"])
+        sections += (["scale"] if args.scale else []) + (["two-hosts"] if args.two_hosts else [])
+    load = [_uptime()]
+    figures = [f for section in sections for f in SECTIONS[section](args.rounds, args.quick)]
+    load.append(_uptime())
+    table = write_results(figures, args.rounds, ROOT / "bench", load)
     print(table)
     missed = [f.name for f in figures if not f.met]
     if missed:

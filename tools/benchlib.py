@@ -3,6 +3,7 @@ results table and plot they write."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,27 +23,36 @@ class Figure:
     goal: str  # e.g. ">= 1.0x" (speed-up of ours) or "<= 1%"
     ratio: float  # what the goal is checked against
     met: bool
+    reference: str = "torch"  # what the torch column holds when it is not torch's figure
 
 
-def write_results(figures: list[Figure], rounds: int, out: Path) -> str:
-    """Write ``out``/results.md and results.png; return the table."""
+def write_results(figures: list[Figure], rounds: int, out: Path, load: list[str] | None = None) -> str:
+    """Write ``out``/results.md and results.png; return the table. ``load``: the machine's
+    load averages at the start and the end."""
     lines = [
-        f"Ours vs torch {torch.__version__}: 2 processes on 127.0.0.1, gloo, CPU; medians of {rounds} "
-        "alternating rounds.",
+        f"Ours vs torch {torch.__version__}: 2 processes on 127.0.0.1 unless the figure says otherwise, "
+        f"gloo, CPU; medians of {rounds} alternating rounds."
+        + (f" {os.cpu_count()} cores; {' -> '.join(load)}." if load else ""),
         "",
-        "| figure | unit | ours | torch | goal | ours vs torch | met |",
+        "| figure | unit | ours | torch (or reference) | goal | ratio | met |",
         "|---|---|---|---|---|---|---|",
     ]
     for f in figures:
         ratio = f"{f.ratio:.2f}x" if f.goal.endswith("x") or f.goal == "<= torch" else f"{f.ratio:+.1f}"
         lines.append(
-            f"| {f.name} | {f.unit} | {f.ours:.3g} | {f.torch:.3g} | {f.goal} | {ratio} | {'yes' if f.met else 'NO'} |"
+            f"| {f.name} | {f.unit} | {f.ours:.3g} | {_reference(f)} | {f.goal} | {ratio} | {'yes' if f.met else 'NO'} |"
         )
     table = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(table)
     _plot(figures, out / "results.png")
     return table
+
+
+def _reference(f: Figure) -> str:
+    if f.torch != f.torch:  # NaN: torch could not run it
+        return f"- ({f.reference})"
+    return f"{f.torch:.3g}" if f.reference == "torch" else f"{f.torch:.3g} ({f.reference})"
 
 
 def _plot(figures: list[Figure], path: Path) -> None:

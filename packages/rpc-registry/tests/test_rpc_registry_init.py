@@ -204,3 +204,27 @@ def test_init_rpc_without_a_store_host_fails_within_rpc_timeout() -> None:
     with pytest.raises(TimeoutError, match="could not reach the rendezvous store"):
         init_rpc("orphan", backend=socket_backend(), rank=1, world_size=2, rpc_backend_options=options)
     assert time.monotonic() - start < 8.0
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+def test_the_store_of_a_tcp_rendezvous_listens_on_the_urls_ipv4_address_only() -> None:
+    # On every interface, peers on 127.0.0.1 would arrive as ::ffff:127.0.0.1, whose reverse
+    # lookup by the store goes to DNS (and stalled init_rpc 5 s when a reply was lost).
+    from rpc_registry.rendezvous import rendezvous_store
+
+    port = _free_port()
+    store, _, _ = rendezvous_store(f"tcp://127.0.0.1:{port}", 0, 1, 10.0)
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("::1", port), timeout=5).close()
+    store.set("key", "value")
+    assert store.get("key") == b"value"

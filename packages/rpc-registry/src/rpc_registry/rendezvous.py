@@ -7,10 +7,18 @@ worker that never comes is named (``rank 2 never arrived``) after the
 options' ``rpc_timeout``, not found at torch's 30-minute default. Other URLs
 (``file://``) go through ``torch.distributed.rendezvous`` with the same
 limit. Successive sessions on one store use separate keys.
+
+Rank 0 hands the store a listening socket of its own, on the URL's IPv4
+address only. torch's store would listen on every interface, IPv6
+included, so a peer on 127.0.0.1 arrives as ``::ffff:127.0.0.1``; the
+store names each connection it accepts with a reverse lookup that
+``/etc/hosts`` cannot answer for that form, and one lost DNS reply stalls
+its accept loop, and every worker behind it, for the resolver's 5 s.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -21,6 +29,8 @@ from urllib.parse import parse_qs, urlparse
 from torch._C._distributed_c10d import TCPStore
 from torch.distributed.distributed_c10d import PrefixStore, Store
 from torch.distributed.rendezvous import rendezvous
+
+logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["rendezvous_store"]
 
@@ -66,6 +76,51 @@ def _address(url: str) -> tuple[str, int] | None:
     return None
 
 
+def _ipv4_listener(host: str, port: int) -> socket.socket | None:
+    """A listening socket on ``host``'s IPv4 address and ``port``; ``None`` when ``host`` has no
+    IPv4 address of this machine or the port is taken (torch's store then says why, or reuses
+    its own server of that port in this process)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[
+            0
+        ]
+    except (OSError, IndexError):
+        return None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except OSError:
+        listener.close()
+        return None
+    return listener
+
+
+def _tcp_store(host: str, port: int, world_size: int | None, is_master: bool, limit: timedelta) -> Store:
+    """The ``TCPStore`` at ``host:port``; rank 0 hosts it on an IPv4 listener of its own (see the
+    module docstring) where it can."""
+    listener = _ipv4_listener(host, port) if is_master else None
+    if listener is not None:
+        with listener:
+            fd = os.dup(listener.fileno())  # the store owns and closes this one
+        try:
+            return TCPStore(
+                host,
+                port,
+                world_size,
+                True,
+                limit,
+                wait_for_workers=False,
+                multi_tenant=True,
+                master_listen_fd=fd,
+            )
+        except TypeError as exc:  # a torch without master_listen_fd: the descriptor was not taken
+            os.close(fd)
+            logger.debug("the store cannot take a listener (%s); it listens itself", exc)
+    return TCPStore(host, port, world_size, is_master, limit, wait_for_workers=False, multi_tenant=True)
+
+
 def _rank_and_size(url: str, rank: int, world_size: int | None) -> tuple[int, int | None]:
     """The rank and world size, completed from the URL's query or (``env://``) the environment."""
     parsed = urlparse(url)
@@ -104,9 +159,7 @@ def rendezvous_store(
         if rank != 0:
             _await_store(host, port, min(timeout, _STORE_WAIT_S))
         try:
-            store: Store = TCPStore(
-                host, port, world_size, rank == 0, limit, wait_for_workers=False, multi_tenant=True
-            )
+            store: Store = _tcp_store(host, port, world_size, rank == 0, limit)
         except (RuntimeError, OSError) as exc:
             waited = time.monotonic() - started
             role = "host" if rank == 0 else "reach"

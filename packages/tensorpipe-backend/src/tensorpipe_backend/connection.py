@@ -20,6 +20,7 @@ import torch
 
 from rpc_registry import WorkerInfo
 
+from .buffers import RECEIVE_BUFFERS
 from .options import DeviceMap
 from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles
 from .transport import DataWait
@@ -198,8 +199,8 @@ class Connection:
                     tensor = torch.empty(0)
             else:
                 try:
-                    tensor = torch.empty(desc.shape, dtype=desc.dtype)
-                except RuntimeError as exc:
+                    tensor = RECEIVE_BUFFERS.empty(desc.shape, desc.dtype)
+                except (RuntimeError, OSError, ValueError, OverflowError) as exc:
                     raise FrameError(f"cannot allocate a tensor of shape {desc.shape}: {exc}") from exc
                 self.stream.read_into(tensor_bytes(tensor))
             if desc.device.type == "cuda" and error is None:

@@ -181,6 +181,17 @@ class _Received:
         self.capacity = capacity
 
 
+def _copy(address: int, data: memoryview) -> None:
+    """Copy ``data`` (writable, as :func:`~tensorpipe_backend.wire.tensor_bytes` makes it) to
+    ``address`` on this thread, without the GIL.
+
+    Not ``Tensor.copy_``: it splits a copy over torch's intra-op threads,
+    whose hand-offs cost milliseconds per MiB on a loaded host (7 ms for
+    1 MiB against 0.13 ms here, two cores shared with other processes).
+    """
+    ctypes.memmove(address, (ctypes.c_char * len(data)).from_buffer(data), len(data))
+
+
 def _release(memory: mmap.mmap, capacity: int) -> None:
     memory[capacity] = 0
 
@@ -217,7 +228,7 @@ class SharedFiles:
         """Put ``data`` in shared memory: its token names the file to the peer, and whether it is pooled."""
         pooled = self._pooled(len(data))
         if pooled is not None:
-            pooled.bytes[: len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
+            _copy(pooled.bytes.data_ptr(), data)
             return pooled.token, True
         self._prune()
         token = _new_token()
