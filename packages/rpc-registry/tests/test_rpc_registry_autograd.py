@@ -223,7 +223,7 @@ def test_rref_backward_runs_on_the_owner_locally_or_in_a_context() -> None:
         _assert_grads(dist_autograd.get_gradients(context_id), [x], [want[0] * 2])
     with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for \.backward\(\)"):
         RRef("foo").backward()
-    with pytest.raises(RuntimeError, match="a local backward pass needs the owner"):
+    with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id' to be specified"):
         owned_by_w1.backward()
 
 

@@ -30,6 +30,7 @@ from typing_extensions import TypeVarTuple, Unpack
 
 from . import rref as _rref
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, INSTALL_DEFAULT_BACKEND, UNSET_RPC_TIMEOUT
+from .errors import WorkerNameError, WorkerRefTypeError, not_initialized
 from .functions import is_async_execution
 from .grad_contexts import WITH_GRAD, GradContainer
 from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
@@ -247,8 +248,12 @@ def _is_plain(obj: object, budget: int) -> int:
     return -1
 
 
-def _failure(exc: BaseException) -> tuple[str, object, str]:
+def _failure(exc: BaseException, me: WorkerInfo, dest: WorkerInfo) -> tuple[str, object, str]:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    # The callee's log shows it too, as torch prints it there: the caller may not report it.
+    logger.warning(
+        "%s: a request of %s failed; the error goes back to it:\n%s", me.name, dest.name, text.rstrip()
+    )
     try:
         pickle.loads(pickle.dumps(exc))
         error: object = exc
@@ -300,8 +305,11 @@ class _RpcState:
             for info in self.agent.get_worker_infos():
                 if info.id == to:
                     return info
-            raise ValueError(f"to={to!r}: no worker has this id; pass a worker name instead")
-        raise TypeError(f"to={to!r}: must be a worker name, a WorkerInfo or a worker id")
+            ids = sorted(info.id for info in self.agent.get_worker_infos())
+            raise WorkerNameError(
+                f"to={to!r}: no worker has this id (the ids are {ids}); pass a worker name instead"
+            )
+        raise WorkerRefTypeError(f"to={to!r}: must be a worker name, a WorkerInfo or a worker id (an int)")
 
     # Encoding.
     def encode(
@@ -326,12 +334,28 @@ class _RpcState:
         message = Message(buffer.getvalue(), tuple(pickler.tensors))
         if context_id is not None:
             message = self.grad.on_send(context_id, message, dest, force)
+        # Neither a fork registration nor the message itself may overtake the creation of an
+        # RRef on its owner: the owner may handle two requests of one peer at once, the later first.
+        unconfirmed = [r._created for r in pickler.rrefs if r._created is not None and not r._created.done()]
+        if not pickler.forks and not unconfirmed:
+            return completed(message)
+        return self._after_forks(message, pickler, unconfirmed)
+
+    def _after_forks(
+        self, message: Message, pickler: _Pickler, unconfirmed: list[Future[Any]]
+    ) -> Future[Message]:
+        """``message`` once the RRefs in it exist on their owners, which know of its forks."""
+        if not unconfirmed:
+            return self._register_forks(message, pickler)
+        out: Future[Message] = Future()
+        torch.futures.collect_all(unconfirmed).add_done_callback(
+            lambda _: self._register_forks(message, pickler).add_done_callback(lambda f: copy_outcome(f, out))
+        )
+        return out
+
+    def _register_forks(self, message: Message, pickler: _Pickler) -> Future[Message]:
         if not pickler.forks:
             return completed(message)
-        return self._after_forks(message, pickler)
-
-    def _after_forks(self, message: Message, pickler: _Pickler) -> Future[Message]:
-        """``message`` once the owners of the RRefs ``pickler`` forked know of the forks."""
         registrations = [
             self.request(owner, ("fork", rref_id, fork_id), self.agent.rpc_timeout)
             for owner, rref_id, fork_id in pickler.forks
@@ -449,7 +473,7 @@ class _RpcState:
         try:
             payload: tuple[object, ...] = ("ok", func(*args, **kwargs))
         except Exception as exc:  # noqa: BLE001 - reported to the caller
-            payload = _failure(exc)
+            payload = _failure(exc, self._me, sender)
         return self._encode_reply(payload, sender, context_id)
 
     def _settle(self, call: _Call, value: object, error: BaseException | None) -> None:
@@ -576,7 +600,7 @@ class _RpcState:
         try:
             payload: tuple[object, ...] = ("ok", outcome.value())
         except Exception as exc:  # noqa: BLE001 - reported to the caller
-            payload = _failure(exc)
+            payload = _failure(exc, self._me, dest)
         return self._encode_reply(payload, dest, context_id)
 
     def _encode_reply(
@@ -585,7 +609,7 @@ class _RpcState:
         try:
             return self.encode(payload, dest, context_id)
         except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-            return self.encode(_failure(exc), dest)
+            return self.encode(_failure(exc, self._me, dest), dest)
 
     def run(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], inline: bool = False
@@ -645,7 +669,7 @@ _state: _RpcState | None = None
 def _current() -> _RpcState:
     state = _state
     if state is None:
-        raise RuntimeError("RPC has not been initialized: call rpc_registry.init_rpc() first")
+        raise not_initialized()
     return state
 
 
@@ -722,12 +746,17 @@ def init_rpc(
     """
     global _state
     _check_name(name)
+    # torch's wording first in both, which callers may match.
     if backend is not None and not isinstance(backend, BackendType):
-        raise TypeError(f"backend={backend!r}: must be a member of BackendType, e.g. BackendType.TENSORPIPE")
+        raise TypeError(
+            f"Argument backend must be a member of BackendType: backend={backend!r}; "
+            "pass e.g. BackendType.TENSORPIPE"
+        )
     if rpc_backend_options is not None and not isinstance(rpc_backend_options, RpcBackendOptions):
         raise TypeError(
-            f"rpc_backend_options={rpc_backend_options!r}: must be backend options with "
-            "rpc_timeout and init_method, e.g. from construct_rpc_backend_options()"
+            "Argument rpc_backend_options must be an instance of RpcBackendOptions (options with "
+            f"rpc_timeout and init_method): rpc_backend_options={rpc_backend_options!r}; build them "
+            "with construct_rpc_backend_options() or the backend's options class"
         )
     if not _is_int(rank) or rank < -1:
         raise ValueError(f"rank={rank!r}: must be an int >= 0, or -1 to read RANK (env://)")
