@@ -25,7 +25,9 @@ from hypothesis import strategies as st
 from tpb_workers import (
     NOTED,
     TOKEN,
+    SlowToLoad,
     add,
+    add_ignoring,
     address,
     armed_payload,
     ask_back,
@@ -38,6 +40,7 @@ from tpb_workers import (
     peer_transports,
     pid,
     raise_key_error,
+    remote_pair_on,
     serve,
     sleep_then,
     spawned,
@@ -242,6 +245,21 @@ def test_rref_value_lives_on_its_owner() -> None:
     assert rref.owner() == WorkerInfo("w1", 1)
     assert torch.equal(rref.to_here(), torch.ones(2))
     assert torch.equal(rpc_sync("w2", RRef.to_here, args=(rref,)), torch.ones(2))
+
+
+def test_rrefs_forked_before_their_owner_confirmed_them_stay_valid() -> None:
+    # w1 sends w0 forks of RRefs whose creation requests to w2 may not have been handled yet.
+    outer = [remote("w1", remote_pair_on, args=("w2",)) for _ in range(3)]
+    for rref in outer:
+        first, second = rref.to_here()
+        assert torch.equal(first.to_here(), torch.full((2,), 2.0))
+        assert torch.equal(second.to_here(), torch.full((2,), 3.0))
+
+
+def test_rref_sent_to_its_owner_before_the_owner_created_it() -> None:
+    # w2 may still unpickle the creation when the call carrying the RRef arrives.
+    rref = remote("w2", add_ignoring, args=(torch.ones(2), 1, SlowToLoad(0.2)))
+    assert torch.equal(rpc_sync("w2", RRef.to_here, args=(rref,)), torch.full((2,), 2.0))
 
 
 def test_worker_infos_list_the_static_group() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from rpc_registry import BackendType, get_worker_info, init_rpc, rpc_async, rpc_sync, shutdown
+from rpc_registry import BackendType, RRef, get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
 from rpc_registry.functions import async_execution
 from tensorpipe_backend import TensorPipeRpcBackendOptions, ensure_registered, get_current_agent
 
@@ -147,6 +147,34 @@ def describe(x: torch.Tensor) -> tuple[str, list[int], bool, bool]:
 def nested_add_one(via: str, x: torch.Tensor) -> torch.Tensor:
     """Ask ``via`` for ``x + 1`` and return twice that: a call from within a call."""
     return rpc_sync(via, torch.add, args=(x, 1)) * 2
+
+
+class SlowToLoad:
+    """Takes ``seconds`` to unpickle, holding up the handling of the request that carries it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self) -> tuple[Callable[[float], SlowToLoad], tuple[float]]:
+        return _load_slowly, (self.seconds,)
+
+
+def _load_slowly(seconds: float) -> SlowToLoad:
+    time.sleep(seconds)
+    return SlowToLoad(seconds)
+
+
+def add_ignoring(x: torch.Tensor, n: float, _ignored: object) -> torch.Tensor:
+    return x + n
+
+
+def remote_pair_on(owner: str) -> tuple[RRef[torch.Tensor], RRef[torch.Tensor]]:
+    """Two RRefs of values on ``owner``, returned at once while ``owner`` still unpickles the requests."""
+    slow = SlowToLoad(0.2)
+    return (
+        remote(owner, add_ignoring, args=(torch.ones(2), 1, slow)),
+        remote(owner, add_ignoring, args=(torch.ones(2), 2, slow)),
+    )
 
 
 def peer_transports() -> dict[str, str]:

@@ -115,12 +115,12 @@ def rendezvous_store(
                 f"(after {waited:.1f} s of at most {timeout:g} s): {exc}"
             ) from exc
     else:
-        separator = "&" if "?" in url else "?"
-        size = -1 if world_size is None else world_size
         if world_size is None:
-            url = f"{url}{separator}rank={rank}&world_size=-1"
-        store, rank, size = next(rendezvous(url, rank=rank, world_size=size, timeout=limit))
-        world_size = None if world_size is None else size
+            # torch's rendezvous adds no world_size of -1 itself: both go in the URL.
+            separator = "&" if "?" in url else "?"
+            store, rank, _ = next(rendezvous(f"{url}{separator}rank={rank}&world_size=-1", timeout=limit))
+        else:
+            store, rank, world_size = next(rendezvous(url, rank=rank, world_size=world_size, timeout=limit))
     store.set_timeout(limit)
     # Each rank counts its own sessions in the store itself, so workers that all start again
     # agree, and a fresh store (a fresh group) starts from 1 whatever a process did before.
