@@ -294,6 +294,12 @@ def test_sparse_tensors_travel_as_arguments_and_results() -> None:
     assert doubled.layout == torch.sparse_coo
     assert torch.equal(doubled.to_dense(), (sparse + sparse).to_dense())
     assert torch.equal(rpc_sync("w2", torch.Tensor.to_dense, args=(sparse,)), sparse.to_dense())
+    # An uncoalesced one arrives as it is, duplicate indices and all (as with torch's agent).
+    uncoalesced = rpc_sync("w1", torch.Tensor.clone, args=(sparse,))
+    assert (uncoalesced.is_coalesced(), uncoalesced._nnz()) == (False, 3)
+    assert torch.equal(uncoalesced._indices(), sparse._indices())
+    coalesced = rpc_sync("w1", torch.Tensor.coalesce, args=(sparse,))
+    assert (coalesced.is_coalesced(), coalesced._nnz()) == (True, 2)
 
 
 def test_non_contiguous_views_keep_their_strides() -> None:

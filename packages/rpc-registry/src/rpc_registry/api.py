@@ -86,11 +86,17 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.layout == torch.sparse_coo:
-                # Agents move dense tensors: a sparse one travels as its indices and values.
-                coalesced = obj.coalesce()
+                # Agents move dense tensors: a sparse one travels as its indices and values,
+                # uncoalesced if it is (as torch's agent sends it: nnz and order are kept),
+                # unless autograd must see it: values() is differentiable, _values() is not.
+                if obj.requires_grad:
+                    obj = obj.coalesce()
+                    parts = [obj.indices(), obj.values()]
+                else:
+                    parts = [obj._indices(), obj._values()]
                 first = len(self.tensors)
-                self.tensors += [coalesced.indices(), coalesced.values()]
-                return ("sparse_coo", (first, tuple(obj.shape)))
+                self.tensors += parts
+                return ("sparse_coo", (first, tuple(obj.shape), obj.is_coalesced()))
             if not obj.is_contiguous() and not obj.requires_grad and obj.layout == torch.strided:
                 # A non-contiguous view keeps its strides, as torch's: its whole storage travels.
                 storage = obj.untyped_storage()
@@ -126,10 +132,13 @@ class _Unpickler(pickle.Unpickler):
             # as_strided checks that the view stays inside the storage that arrived.
             return self.message.tensors[index].as_strided(shape, stride, offset)
         if kind == "sparse_coo":
-            first, shape = data
+            first, shape, coalesced = data
             indices, values = self.message.tensors[first : first + 2]
-            # Checked: indices out of range would otherwise corrupt memory later.
-            return torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True, check_invariants=True)
+            # Checked: indices out of range (or a false claim of coalescing) would otherwise
+            # corrupt memory later.
+            return torch.sparse_coo_tensor(
+                indices, values, shape, is_coalesced=bool(coalesced), check_invariants=True
+            )
         if kind == "rref":
             return self.ctx.from_wire(data)
         raise pickle.UnpicklingError(f"unknown persistent id kind {kind!r}")
