@@ -98,11 +98,14 @@ def test_init_rpc_rejects_options_no_backend_builds() -> None:
         init_rpc("w0", rank=0, world_size=1, rpc_backend_options=ForeignOptions())
 
 
-def test_rpc_before_init_raises_torchs_error_saying_to_call_init_rpc() -> None:
-    match = r"^Current RPC agent is not set! .* Call rpc_registry.init_rpc\(\) first"
-    with pytest.raises(RuntimeError, match=match):
+def test_rpc_before_init_raises_torchs_errors_saying_to_call_init_rpc() -> None:
+    with pytest.raises(
+        RuntimeError, match=r"^RPC has not been initialized: call rpc_registry.init_rpc\(\) first"
+    ):
         rpc_sync("w1", sleep_then, args=(0, 1))
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(
+        RuntimeError, match=r"^Current RPC agent is not set! .* Call rpc_registry.init_rpc\(\) first"
+    ):
         RRef(torch.ones(1))
 
 
@@ -135,9 +138,18 @@ def test_dynamic_group_starts_without_world_size(url: str, request: pytest.Fixtu
         shutdown(timeout=10.0)
 
 
-def test_dynamic_group_needs_a_rank(tcp: str) -> None:
-    options = SocketOptions(rpc_timeout=5.0, init_method=tcp)
-    with pytest.raises(ValueError, match=r"rank=-1: a dynamic group"):
+def test_env_rendezvous_without_rank_says_rank_is_expected(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    options = SocketOptions(rpc_timeout=5.0, init_method="env://")
+    with pytest.raises(ValueError, match=r"^environment variable RANK expected: rank=-1"):
+        init_rpc("dyn", backend=socket_backend(), world_size=None, rpc_backend_options=options)
+
+
+@pytest.mark.parametrize("url", ["tcp", "file_url"])
+def test_dynamic_group_needs_a_rank(url: str, request: pytest.FixtureRequest) -> None:
+    options = SocketOptions(rpc_timeout=5.0, init_method=request.getfixturevalue(url))
+    with pytest.raises(ValueError, match=r"^rank parameter missing: rank=-1: a dynamic group"):
         init_rpc("dyn", backend=socket_backend(), world_size=None, rpc_backend_options=options)
 
 

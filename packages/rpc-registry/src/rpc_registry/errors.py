@@ -26,8 +26,14 @@ class WorkerRefTypeError(TypeError, ValueError):
     """A destination that is none of a worker name, a ``WorkerInfo`` or a worker id."""
 
 
-def not_initialized() -> RuntimeError:
-    """The error of using RPC before ``init_rpc`` (torch's wording first, which callers may match)."""
-    return RuntimeError(
-        "Current RPC agent is not set! Did you initialize the RPC framework? Call rpc_registry.init_rpc() first"
-    )
+def not_initialized(rref: bool = False) -> RuntimeError:
+    """The error of using RPC (``rref``: creating an RRef) before ``init_rpc`` or after ``shutdown``.
+
+    torch's wording first, which callers may match: it words the two cases differently.
+    """
+    if rref:
+        return RuntimeError(
+            "Current RPC agent is not set! Did you initialize the RPC framework? "
+            "Call rpc_registry.init_rpc() first"
+        )
+    return RuntimeError("RPC has not been initialized: call rpc_registry.init_rpc() first")

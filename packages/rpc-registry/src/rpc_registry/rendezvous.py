@@ -77,9 +77,15 @@ def _rank_and_size(url: str, rank: int, world_size: int | None) -> tuple[int, in
     if world_size is None and parsed.scheme == "env" and os.environ.get("WORLD_SIZE", "").isdigit():
         world_size = int(os.environ["WORLD_SIZE"])
     if rank < 0:
-        group = "a dynamic group (world_size=None) needs" if world_size is None else "init_rpc needs"
-        raise ValueError(f"rank={rank}: {group} this worker's rank; pass rank= (or set RANK for env://)")
+        raise _rank_missing(url, rank, world_size)
     return rank, world_size
+
+
+def _rank_missing(url: str, rank: int, world_size: int | None) -> ValueError:
+    # torch's phrases first, which callers may match.
+    what = "environment variable RANK expected" if url.startswith("env:") else "rank parameter missing"
+    group = "a dynamic group (world_size=None) needs" if world_size is None else "init_rpc needs"
+    return ValueError(f"{what}: rank={rank}: {group} this worker's rank; pass rank= (or set RANK for env://)")
 
 
 def rendezvous_store(
@@ -96,6 +102,8 @@ def rendezvous_store(
     """
     timeout = rpc_timeout if rpc_timeout > 0 else UNLIMITED_INIT_S
     limit = timedelta(seconds=timeout)
+    if url.startswith("env:"):
+        rank, world_size = _rank_and_size(url, rank, world_size)  # RANK before MASTER_ADDR, as torch
     address = _address(url)
     started = time.monotonic()
     if address is not None:
@@ -115,6 +123,8 @@ def rendezvous_store(
                 f"(after {waited:.1f} s of at most {timeout:g} s): {exc}"
             ) from exc
     else:
+        if rank < 0 and "rank" not in parse_qs(urlparse(url).query):
+            raise _rank_missing(url, rank, world_size)
         if world_size is None:
             # torch's rendezvous adds no world_size of -1 itself: both go in the URL.
             separator = "&" if "?" in url else "?"

@@ -295,7 +295,7 @@ _CONTEXT: RRefContext | None = None
 
 def _context() -> RRefContext:
     if _CONTEXT is None:
-        raise not_initialized()
+        raise not_initialized(rref=True)
     return _CONTEXT
 
 
