@@ -41,6 +41,7 @@ from tpb_workers import (
     pid,
     raise_key_error,
     remote_pair_on,
+    send_to_owner_then_drop,
     serve,
     sleep_then,
     spawned,
@@ -260,6 +261,11 @@ def test_rref_sent_to_its_owner_before_the_owner_created_it() -> None:
     # w2 may still unpickle the creation when the call carrying the RRef arrives.
     rref = remote("w2", add_ignoring, args=(torch.ones(2), 1, SlowToLoad(0.2)))
     assert torch.equal(rpc_sync("w2", RRef.to_here, args=(rref,)), torch.full((2,), 2.0))
+
+
+def test_rref_sent_to_its_owner_then_dropped_by_the_sender() -> None:
+    # w1's deletion of its only reference must not overtake the call that carries it to w2.
+    assert torch.equal(rpc_sync("w1", send_to_owner_then_drop, args=("w2",)), torch.ones(2))
 
 
 def test_worker_infos_list_the_static_group() -> None:

@@ -5,6 +5,7 @@ Spawned workers import this module by name, so everything they run lives here.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.synchronize
@@ -166,6 +167,20 @@ def _load_slowly(seconds: float) -> SlowToLoad:
 
 def add_ignoring(x: torch.Tensor, n: float, _ignored: object) -> torch.Tensor:
     return x + n
+
+
+def local_value_after(_slow: object, rref: RRef[torch.Tensor]) -> torch.Tensor:
+    return rref.local_value()
+
+
+def send_to_owner_then_drop(owner: str) -> torch.Tensor:
+    """Send this worker's only reference to a value to its owner, dropping it while the owner unpickles."""
+    rref = remote(owner, torch.ones, args=(2,))
+    rref.to_here()
+    future = rpc_async(owner, local_value_after, args=(SlowToLoad(0.2), rref))
+    del rref
+    gc.collect()
+    return future.wait()
 
 
 def remote_pair_on(owner: str) -> tuple[RRef[torch.Tensor], RRef[torch.Tensor]]:

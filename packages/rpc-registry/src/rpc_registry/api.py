@@ -450,7 +450,9 @@ class _RpcState:
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 self._settle(call, None, exc)
                 return
-            reply.add_done_callback(lambda r: self._complete(r, call))
+            # The request (with the RRefs in it) lives until the reply: the callee, maybe an
+            # RRef's owner, must decode it before this worker's deletion of the RRef arrives.
+            reply.add_done_callback(functools.partial(self._complete_keeping, call=call, keep=request))
 
         if encoded.done():
             send(encoded)
@@ -500,6 +502,10 @@ class _RpcState:
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             outcome = exc
         self._finish(call, outcome)
+
+    def _complete_keeping(self, reply: Future[Message], call: _Call, keep: object) -> None:
+        """``_complete``, called with ``keep`` (the request) so that it lives until the reply."""
+        self._complete(reply, call)
 
     def _finish(self, call: _Call, outcome: Message | BaseException) -> None:
         """Settle ``call`` with the decoded reply ``outcome`` (or the agent's error)."""
