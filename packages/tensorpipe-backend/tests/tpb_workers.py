@@ -96,6 +96,17 @@ def init_then_shut_down(name: str, rank: int, world_size: int, init_method: str,
     results.put((name, time.monotonic() - start))
 
 
+def init_reporting_error(name: str, rank: int, world_size: int, init_method: str, results: Any) -> None:
+    """Join a static group; report the error of init_rpc as "Type: message" (None: it succeeded)."""
+    try:
+        init_rpc(name, backend(), rank, world_size, options(init_method))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(exc).__name__}: {exc}")
+        return
+    results.put(None)
+    shutdown(graceful=True, timeout=10.0)
+
+
 def ask_whoami(via: str) -> str:
     """Ask ``via`` for its name: a called function that uses RPC itself."""
     return str(rpc_sync(via, whoami))
