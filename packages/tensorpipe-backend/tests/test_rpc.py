@@ -41,6 +41,7 @@ from tpb_workers import (
     pid,
     raise_key_error,
     remote_pair_on,
+    return_an_rref_of,
     send_to_owner_then_drop,
     serve,
     sleep_then,
@@ -266,6 +267,12 @@ def test_rref_sent_to_its_owner_before_the_owner_created_it() -> None:
 def test_rref_sent_to_its_owner_then_dropped_by_the_sender() -> None:
     # w1's deletion of its only reference must not overtake the call that carries it to w2.
     assert torch.equal(rpc_sync("w1", send_to_owner_then_drop, args=("w2",)), torch.ones(2))
+
+
+def test_rref_returned_to_its_owner_outlives_the_callees_reference() -> None:
+    # w1's deletion of its reference must not overtake w0's unpickling of the reply carrying it.
+    _, rref = rpc_sync("w1", return_an_rref_of, args=("w0",))
+    assert rref.is_owner() and torch.equal(rref.local_value(), torch.ones(2))
 
 
 def test_worker_infos_list_the_static_group() -> None:

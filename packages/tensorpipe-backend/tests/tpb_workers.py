@@ -194,6 +194,13 @@ def send_to_owner_then_drop(owner: str) -> torch.Tensor:
     return future.wait()
 
 
+def return_an_rref_of(owner: str) -> tuple[SlowToLoad, RRef[torch.Tensor]]:
+    """This worker's only reference to a value on ``owner`` (the caller), returned to it slowly."""
+    rref = remote(owner, torch.ones, args=(2,))
+    rref.to_here()
+    return SlowToLoad(0.2), rref
+
+
 def remote_pair_on(owner: str) -> tuple[RRef[torch.Tensor], RRef[torch.Tensor]]:
     """Two RRefs of values on ``owner``, returned at once while ``owner`` still unpickles the requests."""
     slow = SlowToLoad(0.2)

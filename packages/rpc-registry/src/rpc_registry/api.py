@@ -75,10 +75,11 @@ def _plain_payload(obj: object) -> bytes:
 class _Pickler(pickle.Pickler):
     """Takes tensors out of the payload and turns RRefs into fork descriptions."""
 
-    def __init__(self, file: io.BytesIO, ctx: RRefContext, dest: WorkerInfo) -> None:
+    def __init__(self, file: io.BytesIO, ctx: RRefContext, dest: WorkerInfo, reply: bool = False) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.ctx = ctx
         self.dest = dest
+        self.reply = reply
         self.tensors: list[torch.Tensor] = []
         self.rrefs: list[RRef[Any]] = []
         self.forks: list[tuple[WorkerInfo, _rref.RRefId, _rref.ForkId]] = []
@@ -111,7 +112,7 @@ class _Pickler(pickle.Pickler):
             return ("tensor", len(self.tensors) - 1)
         if isinstance(obj, RRef):
             self.rrefs.append(obj)
-            return ("rref", self.ctx.to_wire(obj, self.dest, self.forks))
+            return ("rref", self.ctx.to_wire(obj, self.dest, self.forks, self.reply))
         return None
 
 
@@ -322,13 +323,19 @@ class _RpcState:
 
     # Encoding.
     def encode(
-        self, obj: object, dest: WorkerInfo, context_id: int | None = None, force: bool = False
+        self,
+        obj: object,
+        dest: WorkerInfo,
+        context_id: int | None = None,
+        force: bool = False,
+        reply: bool = False,
     ) -> Future[Message]:
         """Pickle ``obj`` for ``dest``; completes once forks it creates are known to their owners.
 
         Inside distributed autograd context ``context_id``, tensors that
         require grad are recorded (see :mod:`rpc_registry.grad_contexts`);
         ``force`` sends the context along even without such tensors.
+        ``reply``: ``obj`` answers a request of ``dest`` (see ``RRefContext.to_wire``).
         """
         if _is_plain(obj, _PLAIN_BUDGET) >= 0:
             # Nothing in it can be a tensor or an RRef: the C pickler alone.
@@ -338,7 +345,7 @@ class _RpcState:
             return completed(message)
         buffer = io.BytesIO()
         buffer.write(bytes((_WITH_REFS,)))
-        pickler = _Pickler(buffer, self.rrefs, dest)
+        pickler = _Pickler(buffer, self.rrefs, dest, reply)
         pickler.dump(obj)
         message = Message(buffer.getvalue(), tuple(pickler.tensors))
         if context_id is not None:
@@ -622,9 +629,9 @@ class _RpcState:
         self, payload: tuple[object, ...], dest: WorkerInfo, context_id: int | None = None
     ) -> Future[Message]:
         try:
-            return self.encode(payload, dest, context_id)
+            return self.encode(payload, dest, context_id, reply=True)
         except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-            return self.encode(_failure(exc, self._me, dest), dest)
+            return self.encode(_failure(exc, self._me, dest), dest, reply=True)
 
     def run(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], inline: bool = False

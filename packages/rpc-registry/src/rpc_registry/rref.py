@@ -185,14 +185,22 @@ class RRefContext:
 
     # Wire format.
     def to_wire(
-        self, rref: RRef[Any], dest: WorkerInfo, forks: list[tuple[WorkerInfo, RRefId, ForkId]]
+        self,
+        rref: RRef[Any],
+        dest: WorkerInfo,
+        forks: list[tuple[WorkerInfo, RRefId, ForkId]],
+        reply: bool = False,
     ) -> WireRRef:
-        """Describe ``rref`` for ``dest``; forks to register with other owners go to ``forks``."""
+        """Describe ``rref`` for ``dest``; forks to register with other owners go to ``forks``.
+
+        ``reply``: the message answers a request of ``dest``.
+        """
         if rref._ctx is not self:
             raise RuntimeError(f"{rref!r} belongs to an RPC session that was shut down")
-        if dest == rref._owner:
-            # The sender's reference outlives the send, and the owner handles
-            # this message before any later deletion from the sender.
+        if dest == rref._owner and not reply:
+            # A request keeps the sender's reference alive until its reply, so the owner
+            # decodes this message before any deletion from the sender. A reply has no
+            # answer to wait for: it carries a fork registered with its owner like any other.
             return (rref._owner, rref._rref_id, None)
         fork_id = self.new_id()
         if rref._owner == self.me:
