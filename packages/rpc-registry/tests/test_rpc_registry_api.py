@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import multiprocessing
 import os
 import socket
@@ -34,6 +35,7 @@ from rpcreg_socket_agent import (
 from rpc_registry import (
     RRef,
     WorkerInfo,
+    WorkerNameError,
     get_worker_info,
     init_rpc,
     remote,
@@ -114,6 +116,31 @@ def test_rpc_async_future_holds_result() -> None:
 
 def test_worker_can_be_named_by_worker_info_or_id() -> None:
     assert rpc_sync(get_worker_info("w2"), pid) == rpc_sync(2, pid)
+
+
+def test_unknown_worker_id_raises_runtime_error_as_torch_and_value_error() -> None:
+    for exc_type in (RuntimeError, ValueError):
+        with pytest.raises(exc_type, match=r"to=7: no worker has this id \(the ids are \[0, 1, 2\]\)"):
+            rpc_sync(7, pid)
+    assert issubclass(WorkerNameError, RuntimeError) and issubclass(WorkerNameError, ValueError)
+
+
+def test_destination_of_another_type_raises_value_error_as_torch_and_type_error() -> None:
+    for exc_type in (ValueError, TypeError):
+        with pytest.raises(exc_type, match=r"to=1.5: must be a worker name, a WorkerInfo or a worker id"):
+            rpc_async(1.5, pid)  # type: ignore[call-overload]
+
+
+def test_failed_request_is_logged_on_the_callee(caplog: pytest.LogCaptureFixture) -> None:
+    # Calls to oneself take the callee's path too, so this process's log shows it.
+    with (
+        caplog.at_level(logging.WARNING, logger="rpc_registry.api"),
+        pytest.raises(ValueError, match="logged boom"),
+    ):
+        rpc_sync("w0", raise_value_error, args=("logged boom",))
+    (record,) = [r for r in caplog.records if "logged boom" in r.getMessage()]
+    assert "w0: a request of w0 failed" in record.getMessage()
+    assert "raise_value_error" in record.getMessage()  # the traceback
 
 
 def test_call_to_self_runs_in_this_process() -> None:
@@ -232,6 +259,15 @@ def test_rref_proxies_call_methods_of_the_value_on_owner() -> None:
     assert rref.remote().get().to_here() == 7
 
 
+def test_remote_proxy_of_a_missing_method_raises_attribute_error_at_the_call() -> None:
+    rref = remote("w1", make_tracked, args=(5,))
+    with pytest.raises(AttributeError, match=r"'Tracked' object has no attribute 'non_exist'.* on w1"):
+        rref.remote().non_exist()
+    with pytest.raises(AttributeError, match=r"has no attribute 'non_exist'"):
+        RRef(Tracked(1)).remote().non_exist()
+    assert rref.remote().get().to_here() == 5
+
+
 def test_local_rref_is_owned_here() -> None:
     value = Tracked(2)
     rref = RRef(value)
@@ -258,6 +294,12 @@ def test_sparse_tensors_travel_as_arguments_and_results() -> None:
     assert doubled.layout == torch.sparse_coo
     assert torch.equal(doubled.to_dense(), (sparse + sparse).to_dense())
     assert torch.equal(rpc_sync("w2", torch.Tensor.to_dense, args=(sparse,)), sparse.to_dense())
+    # An uncoalesced one arrives as it is, duplicate indices and all (as with torch's agent).
+    uncoalesced = rpc_sync("w1", torch.Tensor.clone, args=(sparse,))
+    assert (uncoalesced.is_coalesced(), uncoalesced._nnz()) == (False, 3)
+    assert torch.equal(uncoalesced._indices(), sparse._indices())
+    coalesced = rpc_sync("w1", torch.Tensor.coalesce, args=(sparse,))
+    assert (coalesced.is_coalesced(), coalesced._nnz()) == (True, 2)
 
 
 def test_non_contiguous_views_keep_their_strides() -> None:

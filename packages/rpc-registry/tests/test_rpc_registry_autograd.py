@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -223,7 +224,7 @@ def test_rref_backward_runs_on_the_owner_locally_or_in_a_context() -> None:
         _assert_grads(dist_autograd.get_gradients(context_id), [x], [want[0] * 2])
     with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for \.backward\(\)"):
         RRef("foo").backward()
-    with pytest.raises(RuntimeError, match="a local backward pass needs the owner"):
+    with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id' to be specified"):
         owned_by_w1.backward()
 
 
@@ -334,3 +335,62 @@ def test_function_the_callee_cannot_import_gets_torchs_error() -> None:
             rpc_sync("w1", local_only)
     finally:
         del dist_autograd_cases.not_on_the_callee  # type: ignore[attr-defined]
+
+
+class _PassThrough(torch.autograd.Function):
+    """Identity; its backward notes the address of the gradient it hands on, to each input."""
+
+    seen: int = 0
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.count = len(inputs)
+        return sum(inputs[1:], inputs[0].clone())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values = grad._values() if grad.layout == torch.sparse_coo else grad
+        _PassThrough.seen = values.data_ptr()
+        count: int = ctx.count
+        return (grad,) * count
+
+
+def _pass_through(*inputs: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = _PassThrough.apply(*inputs)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _kept_address(context_id: int, leaf: torch.Tensor) -> int:
+    grad = dist_autograd.get_gradients(context_id)[leaf]
+    return (grad._values() if grad.layout == torch.sparse_coo else grad).data_ptr()
+
+
+def test_first_gradient_is_kept_without_a_copy_as_torch_does() -> None:
+    a, b = torch.randn(5, 6, requires_grad=True), torch.randn(5, 6, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [(_pass_through(a) * 1).sum()])
+        # mul's backward made a fresh contiguous gradient: kept as it is.
+        assert _kept_address(context_id, a) == _PassThrough.seen
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [(_pass_through(a, b) * 1).sum()])
+        # One gradient for both leaves: each gets its own copy.
+        assert len({_kept_address(context_id, a), _kept_address(context_id, b), _PassThrough.seen}) == 3
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [_pass_through(a).sum()])
+        # sum's backward expands (not contiguous): copied.
+        assert _kept_address(context_id, a) != _PassThrough.seen
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[a], torch.ones(5, 6))
+
+
+def test_first_sparse_gradient_is_kept_without_a_copy_as_torch_does() -> None:
+    weight = torch.randn(10, 3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        loss = torch.nn.functional.embedding_bag(
+            torch.tensor([1, 2, 4, 5]), _pass_through(weight), torch.tensor([0, 2]), sparse=True
+        ).sum()
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        assert _kept_address(context_id, weight) == _PassThrough.seen
+        dist_autograd.backward(context_id, [loss])
+        want = torch.zeros(10, 3)
+        want[[1, 2, 4, 5]] = 1.0  # two passes, each a mean over bags of two
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[weight].to_dense(), want)

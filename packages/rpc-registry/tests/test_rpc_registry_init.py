@@ -7,8 +7,10 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 from rpcreg_socket_agent import SocketOptions, Tracked, sleep_then, socket_backend
 
 from rpc_registry import (
@@ -53,12 +55,17 @@ def test_init_rpc_rejects_invalid_worker_name(name: str) -> None:
 
 
 def test_init_rpc_rejects_backend_that_is_not_a_member() -> None:
-    with pytest.raises(TypeError, match=r"backend='SOCKET_TEST': must be a member of BackendType"):
+    # torch's wording, then the value.
+    match = r"Argument backend must be a member of BackendType: backend='SOCKET_TEST'"
+    with pytest.raises(TypeError, match=match):
         init_rpc("w0", backend="SOCKET_TEST", rank=0, world_size=1)  # type: ignore[arg-type]
 
 
 def test_init_rpc_rejects_options_without_timeout_and_init_method() -> None:
-    with pytest.raises(TypeError, match=r"rpc_backend_options=\{\}"):
+    match = (
+        r"Argument rpc_backend_options must be an instance of RpcBackendOptions .*rpc_backend_options=\{\}"
+    )
+    with pytest.raises(TypeError, match=match):
         init_rpc("w0", backend=socket_backend(), rpc_backend_options={})  # type: ignore[arg-type]
 
 
@@ -91,9 +98,15 @@ def test_init_rpc_rejects_options_no_backend_builds() -> None:
         init_rpc("w0", rank=0, world_size=1, rpc_backend_options=ForeignOptions())
 
 
-def test_rpc_before_init_says_to_call_init_rpc() -> None:
-    with pytest.raises(RuntimeError, match=r"call rpc_registry.init_rpc\(\) first"):
+def test_rpc_before_init_raises_torchs_errors_saying_to_call_init_rpc() -> None:
+    with pytest.raises(
+        RuntimeError, match=r"^RPC has not been initialized: call rpc_registry.init_rpc\(\) first"
+    ):
         rpc_sync("w1", sleep_then, args=(0, 1))
+    with pytest.raises(
+        RuntimeError, match=r"^Current RPC agent is not set! .* Call rpc_registry.init_rpc\(\) first"
+    ):
+        RRef(torch.ones(1))
 
 
 def test_init_rpc_infers_backend_from_options_over_env_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,8 +123,14 @@ def test_init_rpc_infers_backend_from_options_over_env_rendezvous(monkeypatch: p
         shutdown(timeout=10.0)
 
 
-def test_dynamic_group_starts_without_world_size(tcp: str) -> None:
-    options = SocketOptions(rpc_timeout=5.0, init_method=tcp)
+@pytest.fixture
+def file_url(tmp_path: Path) -> str:
+    return f"file://{tmp_path / 'rendezvous'}"
+
+
+@pytest.mark.parametrize("url", ["tcp", "file_url"])
+def test_dynamic_group_starts_without_world_size(url: str, request: pytest.FixtureRequest) -> None:
+    options = SocketOptions(rpc_timeout=5.0, init_method=request.getfixturevalue(url))
     init_rpc("dyn", backend=socket_backend(), rank=0, world_size=None, rpc_backend_options=options)
     try:
         assert rpc_sync("dyn", sleep_then, args=(0, 3)) == 3
@@ -119,9 +138,18 @@ def test_dynamic_group_starts_without_world_size(tcp: str) -> None:
         shutdown(timeout=10.0)
 
 
-def test_dynamic_group_needs_a_rank(tcp: str) -> None:
-    options = SocketOptions(rpc_timeout=5.0, init_method=tcp)
-    with pytest.raises(ValueError, match=r"rank=-1: a dynamic group"):
+def test_env_rendezvous_without_rank_says_rank_is_expected(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    options = SocketOptions(rpc_timeout=5.0, init_method="env://")
+    with pytest.raises(ValueError, match=r"^environment variable RANK expected: rank=-1"):
+        init_rpc("dyn", backend=socket_backend(), world_size=None, rpc_backend_options=options)
+
+
+@pytest.mark.parametrize("url", ["tcp", "file_url"])
+def test_dynamic_group_needs_a_rank(url: str, request: pytest.FixtureRequest) -> None:
+    options = SocketOptions(rpc_timeout=5.0, init_method=request.getfixturevalue(url))
+    with pytest.raises(ValueError, match=r"^rank parameter missing: rank=-1: a dynamic group"):
         init_rpc("dyn", backend=socket_backend(), world_size=None, rpc_backend_options=options)
 
 

@@ -10,6 +10,7 @@ own dynamic join hands every member the joiner's reverse maps instead.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from tpb_workers import (
     dynamic_leader,
     dynamic_member,
     free_port,
+    init_reporting_error,
     init_then_shut_down,
     options,
     spawned,
@@ -63,6 +65,18 @@ def test_members_join_and_leave_with_correct_reverse_maps() -> None:
     assert "d1" in report["call_to_left"] and report["call_to_left"] != "no error"
     assert report["d2_still_serves"] == "d2" and report["d2_forgot_d1"] is True
     assert [w.exitcode for w in workers] == [0, 0, 0]
+
+
+def test_a_name_two_workers_take_is_refused_with_torchs_runtime_error() -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results = CONTEXT.Queue()
+    with spawned([(init_reporting_error, ("dup", 1, 2, init_method, results))]) as workers:
+        match = r"name='dup' is not unique: the workers of ranks \[0, 1\] have it"
+        with pytest.raises(RuntimeError, match=match) as raised:
+            init_rpc("dup", ensure_registered(), 0, 2, options(init_method))
+        assert isinstance(raised.value, ValueError)  # this package's type before, still caught
+        assert re.search(match, results.get(timeout=30))
+    assert [w.exitcode for w in workers] == [0]
 
 
 def test_first_dynamic_member_alone_can_call_itself() -> None:

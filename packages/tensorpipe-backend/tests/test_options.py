@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -78,7 +80,8 @@ def test_devices_must_be_cuda_devices() -> None:
         ({"num_worker_threads": 0}, ValueError, r"num_worker_threads=0: must be >= 1"),
         ({"num_worker_threads": 2.5}, TypeError, r"num_worker_threads=2.5"),
         ({"rpc_timeout": -1.0}, ValueError, r"rpc_timeout=-1.0: must be seconds >= 0"),
-        ({"rpc_timeout": "60"}, TypeError, r"rpc_timeout='60'"),
+        ({"rpc_timeout": "60"}, TypeError, r"incompatible constructor arguments: rpc_timeout='60'"),
+        ({"rpc_timeout": timedelta(seconds=1)}, TypeError, r"rpc_timeout=datetime.timedelta.*total_seconds"),
         ({"init_method": 5}, TypeError, r"init_method=5"),
         ({"_transports": ["uv"]}, ValueError, r"_transports=\['uv'\]: .* leave it None"),
         ({"_channels": ["cuda_ipc"]}, ValueError, r"_channels=\['cuda_ipc'\]"),

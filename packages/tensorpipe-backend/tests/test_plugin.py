@@ -35,7 +35,8 @@ def test_declared_entry_point_loads_a_valid_plugin() -> None:
 
 
 def test_init_handler_rejects_foreign_options() -> None:
-    with pytest.raises(TypeError, match="needs TensorPipeRpcBackendOptions"):
+    match = r"^`rpc_backend_options` must be a `TensorPipeRpcBackendOptions` .*rpc_backend_options=<object"
+    with pytest.raises(TypeError, match=match):
         init_backend_handler(None, "w0", 0, 1, object())  # type: ignore[arg-type]
 
 

@@ -25,7 +25,9 @@ from hypothesis import strategies as st
 from tpb_workers import (
     NOTED,
     TOKEN,
+    SlowToLoad,
     add,
+    add_ignoring,
     address,
     armed_payload,
     ask_back,
@@ -38,6 +40,9 @@ from tpb_workers import (
     peer_transports,
     pid,
     raise_key_error,
+    remote_pair_on,
+    return_an_rref_of,
+    send_to_owner_then_drop,
     serve,
     sleep_then,
     spawned,
@@ -244,12 +249,40 @@ def test_rref_value_lives_on_its_owner() -> None:
     assert torch.equal(rpc_sync("w2", RRef.to_here, args=(rref,)), torch.ones(2))
 
 
+def test_rrefs_forked_before_their_owner_confirmed_them_stay_valid() -> None:
+    # w1 sends w0 forks of RRefs whose creation requests to w2 may not have been handled yet.
+    outer = [remote("w1", remote_pair_on, args=("w2",)) for _ in range(3)]
+    for rref in outer:
+        first, second = rref.to_here()
+        assert torch.equal(first.to_here(), torch.full((2,), 2.0))
+        assert torch.equal(second.to_here(), torch.full((2,), 3.0))
+
+
+def test_rref_sent_to_its_owner_before_the_owner_created_it() -> None:
+    # w2 may still unpickle the creation when the call carrying the RRef arrives.
+    rref = remote("w2", add_ignoring, args=(torch.ones(2), 1, SlowToLoad(0.2)))
+    assert torch.equal(rpc_sync("w2", RRef.to_here, args=(rref,)), torch.full((2,), 2.0))
+
+
+def test_rref_sent_to_its_owner_then_dropped_by_the_sender() -> None:
+    # w1's deletion of its only reference must not overtake the call that carries it to w2.
+    assert torch.equal(rpc_sync("w1", send_to_owner_then_drop, args=("w2",)), torch.ones(2))
+
+
+def test_rref_returned_to_its_owner_outlives_the_callees_reference() -> None:
+    # w1's deletion of its reference must not overtake w0's unpickling of the reply carrying it.
+    _, rref = rpc_sync("w1", return_an_rref_of, args=("w0",))
+    assert rref.is_owner() and torch.equal(rref.local_value(), torch.ones(2))
+
+
 def test_worker_infos_list_the_static_group() -> None:
     assert get_worker_info("w2") == WorkerInfo("w2", 2)
     assert [i.name for i in get_current_agent().get_worker_infos()] == ["w0", "w1", "w2"]
     assert rpc_sync(1, whoami) == "w1"
-    with pytest.raises(ValueError, match="worker_name='nobody'"):
-        get_worker_info("nobody")
+    # torch's RuntimeError and phrase, and still this package's ValueError.
+    for exc_type in (RuntimeError, ValueError):
+        with pytest.raises(exc_type, match="worker_name='nobody': could not find destination"):
+            get_worker_info("nobody")
 
 
 # Security: the agent must unpickle nothing from a peer that did not prove the secret.

@@ -5,6 +5,7 @@ Spawned workers import this module by name, so everything they run lives here.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.synchronize
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from rpc_registry import BackendType, get_worker_info, init_rpc, rpc_async, rpc_sync, shutdown
+from rpc_registry import BackendType, RRef, get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
 from rpc_registry.functions import async_execution
 from tensorpipe_backend import TensorPipeRpcBackendOptions, ensure_registered, get_current_agent
 
@@ -95,6 +96,17 @@ def init_then_shut_down(name: str, rank: int, world_size: int, init_method: str,
     results.put((name, time.monotonic() - start))
 
 
+def init_reporting_error(name: str, rank: int, world_size: int, init_method: str, results: Any) -> None:
+    """Join a static group; report the error of init_rpc as "Type: message" (None: it succeeded)."""
+    try:
+        init_rpc(name, backend(), rank, world_size, options(init_method))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(exc).__name__}: {exc}")
+        return
+    results.put(None)
+    shutdown(graceful=True, timeout=10.0)
+
+
 def ask_whoami(via: str) -> str:
     """Ask ``via`` for its name: a called function that uses RPC itself."""
     return str(rpc_sync(via, whoami))
@@ -147,6 +159,55 @@ def describe(x: torch.Tensor) -> tuple[str, list[int], bool, bool]:
 def nested_add_one(via: str, x: torch.Tensor) -> torch.Tensor:
     """Ask ``via`` for ``x + 1`` and return twice that: a call from within a call."""
     return rpc_sync(via, torch.add, args=(x, 1)) * 2
+
+
+class SlowToLoad:
+    """Takes ``seconds`` to unpickle, holding up the handling of the request that carries it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self) -> tuple[Callable[[float], SlowToLoad], tuple[float]]:
+        return _load_slowly, (self.seconds,)
+
+
+def _load_slowly(seconds: float) -> SlowToLoad:
+    time.sleep(seconds)
+    return SlowToLoad(seconds)
+
+
+def add_ignoring(x: torch.Tensor, n: float, _ignored: object) -> torch.Tensor:
+    return x + n
+
+
+def local_value_after(_slow: object, rref: RRef[torch.Tensor]) -> torch.Tensor:
+    return rref.local_value()
+
+
+def send_to_owner_then_drop(owner: str) -> torch.Tensor:
+    """Send this worker's only reference to a value to its owner, dropping it while the owner unpickles."""
+    rref = remote(owner, torch.ones, args=(2,))
+    rref.to_here()
+    future = rpc_async(owner, local_value_after, args=(SlowToLoad(0.2), rref))
+    del rref
+    gc.collect()
+    return future.wait()
+
+
+def return_an_rref_of(owner: str) -> tuple[SlowToLoad, RRef[torch.Tensor]]:
+    """This worker's only reference to a value on ``owner`` (the caller), returned to it slowly."""
+    rref = remote(owner, torch.ones, args=(2,))
+    rref.to_here()
+    return SlowToLoad(0.2), rref
+
+
+def remote_pair_on(owner: str) -> tuple[RRef[torch.Tensor], RRef[torch.Tensor]]:
+    """Two RRefs of values on ``owner``, returned at once while ``owner`` still unpickles the requests."""
+    slow = SlowToLoad(0.2)
+    return (
+        remote(owner, add_ignoring, args=(torch.ones(2), 1, slow)),
+        remote(owner, add_ignoring, args=(torch.ones(2), 2, slow)),
+    )
 
 
 def peer_transports() -> dict[str, str]:

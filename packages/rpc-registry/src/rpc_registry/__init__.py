@@ -33,6 +33,7 @@ from .constants import (
     ENTRY_POINT_GROUP,
     UNSET_RPC_TIMEOUT,
 )
+from .errors import WorkerNameError, WorkerRefTypeError
 from .exports import backend_export
 from .protocols import (
     BackendPlugin,
@@ -101,6 +102,8 @@ __all__ = [
     "RpcAgent",
     "RpcBackendOptions",
     "WorkerInfo",
+    "WorkerNameError",
+    "WorkerRefTypeError",
     "backend_registered",
     "construct_rpc_backend_options",
     "functions",

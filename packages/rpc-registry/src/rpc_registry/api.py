@@ -30,6 +30,7 @@ from typing_extensions import TypeVarTuple, Unpack
 
 from . import rref as _rref
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, INSTALL_DEFAULT_BACKEND, UNSET_RPC_TIMEOUT
+from .errors import WorkerNameError, WorkerRefTypeError, not_initialized
 from .functions import is_async_execution
 from .grad_contexts import WITH_GRAD, GradContainer
 from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
@@ -74,10 +75,11 @@ def _plain_payload(obj: object) -> bytes:
 class _Pickler(pickle.Pickler):
     """Takes tensors out of the payload and turns RRefs into fork descriptions."""
 
-    def __init__(self, file: io.BytesIO, ctx: RRefContext, dest: WorkerInfo) -> None:
+    def __init__(self, file: io.BytesIO, ctx: RRefContext, dest: WorkerInfo, reply: bool = False) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.ctx = ctx
         self.dest = dest
+        self.reply = reply
         self.tensors: list[torch.Tensor] = []
         self.rrefs: list[RRef[Any]] = []
         self.forks: list[tuple[WorkerInfo, _rref.RRefId, _rref.ForkId]] = []
@@ -85,11 +87,17 @@ class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.layout == torch.sparse_coo:
-                # Agents move dense tensors: a sparse one travels as its indices and values.
-                coalesced = obj.coalesce()
+                # Agents move dense tensors: a sparse one travels as its indices and values,
+                # uncoalesced if it is (as torch's agent sends it: nnz and order are kept),
+                # unless autograd must see it: values() is differentiable, _values() is not.
+                if obj.requires_grad:
+                    obj = obj.coalesce()
+                    parts = [obj.indices(), obj.values()]
+                else:
+                    parts = [obj._indices(), obj._values()]
                 first = len(self.tensors)
-                self.tensors += [coalesced.indices(), coalesced.values()]
-                return ("sparse_coo", (first, tuple(obj.shape)))
+                self.tensors += parts
+                return ("sparse_coo", (first, tuple(obj.shape), obj.is_coalesced()))
             if not obj.is_contiguous() and not obj.requires_grad and obj.layout == torch.strided:
                 # A non-contiguous view keeps its strides, as torch's: its whole storage travels.
                 storage = obj.untyped_storage()
@@ -104,7 +112,7 @@ class _Pickler(pickle.Pickler):
             return ("tensor", len(self.tensors) - 1)
         if isinstance(obj, RRef):
             self.rrefs.append(obj)
-            return ("rref", self.ctx.to_wire(obj, self.dest, self.forks))
+            return ("rref", self.ctx.to_wire(obj, self.dest, self.forks, self.reply))
         return None
 
 
@@ -125,10 +133,13 @@ class _Unpickler(pickle.Unpickler):
             # as_strided checks that the view stays inside the storage that arrived.
             return self.message.tensors[index].as_strided(shape, stride, offset)
         if kind == "sparse_coo":
-            first, shape = data
+            first, shape, coalesced = data
             indices, values = self.message.tensors[first : first + 2]
-            # Checked: indices out of range would otherwise corrupt memory later.
-            return torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True, check_invariants=True)
+            # Checked: indices out of range (or a false claim of coalescing) would otherwise
+            # corrupt memory later.
+            return torch.sparse_coo_tensor(
+                indices, values, shape, is_coalesced=bool(coalesced), check_invariants=True
+            )
         if kind == "rref":
             return self.ctx.from_wire(data)
         raise pickle.UnpicklingError(f"unknown persistent id kind {kind!r}")
@@ -247,8 +258,12 @@ def _is_plain(obj: object, budget: int) -> int:
     return -1
 
 
-def _failure(exc: BaseException) -> tuple[str, object, str]:
+def _failure(exc: BaseException, me: WorkerInfo, dest: WorkerInfo) -> tuple[str, object, str]:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    # The callee's log shows it too, as torch prints it there: the caller may not report it.
+    logger.warning(
+        "%s: a request of %s failed; the error goes back to it:\n%s", me.name, dest.name, text.rstrip()
+    )
     try:
         pickle.loads(pickle.dumps(exc))
         error: object = exc
@@ -300,18 +315,27 @@ class _RpcState:
             for info in self.agent.get_worker_infos():
                 if info.id == to:
                     return info
-            raise ValueError(f"to={to!r}: no worker has this id; pass a worker name instead")
-        raise TypeError(f"to={to!r}: must be a worker name, a WorkerInfo or a worker id")
+            ids = sorted(info.id for info in self.agent.get_worker_infos())
+            raise WorkerNameError(
+                f"to={to!r}: no worker has this id (the ids are {ids}); pass a worker name instead"
+            )
+        raise WorkerRefTypeError(f"to={to!r}: must be a worker name, a WorkerInfo or a worker id (an int)")
 
     # Encoding.
     def encode(
-        self, obj: object, dest: WorkerInfo, context_id: int | None = None, force: bool = False
+        self,
+        obj: object,
+        dest: WorkerInfo,
+        context_id: int | None = None,
+        force: bool = False,
+        reply: bool = False,
     ) -> Future[Message]:
         """Pickle ``obj`` for ``dest``; completes once forks it creates are known to their owners.
 
         Inside distributed autograd context ``context_id``, tensors that
         require grad are recorded (see :mod:`rpc_registry.grad_contexts`);
         ``force`` sends the context along even without such tensors.
+        ``reply``: ``obj`` answers a request of ``dest`` (see ``RRefContext.to_wire``).
         """
         if _is_plain(obj, _PLAIN_BUDGET) >= 0:
             # Nothing in it can be a tensor or an RRef: the C pickler alone.
@@ -321,17 +345,33 @@ class _RpcState:
             return completed(message)
         buffer = io.BytesIO()
         buffer.write(bytes((_WITH_REFS,)))
-        pickler = _Pickler(buffer, self.rrefs, dest)
+        pickler = _Pickler(buffer, self.rrefs, dest, reply)
         pickler.dump(obj)
         message = Message(buffer.getvalue(), tuple(pickler.tensors))
         if context_id is not None:
             message = self.grad.on_send(context_id, message, dest, force)
+        # Neither a fork registration nor the message itself may overtake the creation of an
+        # RRef on its owner: the owner may handle two requests of one peer at once, the later first.
+        unconfirmed = [r._created for r in pickler.rrefs if r._created is not None and not r._created.done()]
+        if not pickler.forks and not unconfirmed:
+            return completed(message)
+        return self._after_forks(message, pickler, unconfirmed)
+
+    def _after_forks(
+        self, message: Message, pickler: _Pickler, unconfirmed: list[Future[Any]]
+    ) -> Future[Message]:
+        """``message`` once the RRefs in it exist on their owners, which know of its forks."""
+        if not unconfirmed:
+            return self._register_forks(message, pickler)
+        out: Future[Message] = Future()
+        torch.futures.collect_all(unconfirmed).add_done_callback(
+            lambda _: self._register_forks(message, pickler).add_done_callback(lambda f: copy_outcome(f, out))
+        )
+        return out
+
+    def _register_forks(self, message: Message, pickler: _Pickler) -> Future[Message]:
         if not pickler.forks:
             return completed(message)
-        return self._after_forks(message, pickler)
-
-    def _after_forks(self, message: Message, pickler: _Pickler) -> Future[Message]:
-        """``message`` once the owners of the RRefs ``pickler`` forked know of the forks."""
         registrations = [
             self.request(owner, ("fork", rref_id, fork_id), self.agent.rpc_timeout)
             for owner, rref_id, fork_id in pickler.forks
@@ -417,7 +457,9 @@ class _RpcState:
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 self._settle(call, None, exc)
                 return
-            reply.add_done_callback(lambda r: self._complete(r, call))
+            # The request (with the RRefs in it) lives until the reply: the callee, maybe an
+            # RRef's owner, must decode it before this worker's deletion of the RRef arrives.
+            reply.add_done_callback(functools.partial(self._complete_keeping, call=call, keep=request))
 
         if encoded.done():
             send(encoded)
@@ -449,7 +491,7 @@ class _RpcState:
         try:
             payload: tuple[object, ...] = ("ok", func(*args, **kwargs))
         except Exception as exc:  # noqa: BLE001 - reported to the caller
-            payload = _failure(exc)
+            payload = _failure(exc, self._me, sender)
         return self._encode_reply(payload, sender, context_id)
 
     def _settle(self, call: _Call, value: object, error: BaseException | None) -> None:
@@ -467,6 +509,10 @@ class _RpcState:
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             outcome = exc
         self._finish(call, outcome)
+
+    def _complete_keeping(self, reply: Future[Message], call: _Call, keep: object) -> None:
+        """``_complete``, called with ``keep`` (the request) so that it lives until the reply."""
+        self._complete(reply, call)
 
     def _finish(self, call: _Call, outcome: Message | BaseException) -> None:
         """Settle ``call`` with the decoded reply ``outcome`` (or the agent's error)."""
@@ -576,16 +622,16 @@ class _RpcState:
         try:
             payload: tuple[object, ...] = ("ok", outcome.value())
         except Exception as exc:  # noqa: BLE001 - reported to the caller
-            payload = _failure(exc)
+            payload = _failure(exc, self._me, dest)
         return self._encode_reply(payload, dest, context_id)
 
     def _encode_reply(
         self, payload: tuple[object, ...], dest: WorkerInfo, context_id: int | None = None
     ) -> Future[Message]:
         try:
-            return self.encode(payload, dest, context_id)
+            return self.encode(payload, dest, context_id, reply=True)
         except Exception as exc:  # noqa: BLE001 - e.g. a result that cannot be pickled
-            return self.encode(_failure(exc), dest)
+            return self.encode(_failure(exc, self._me, dest), dest, reply=True)
 
     def run(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], inline: bool = False
@@ -645,7 +691,7 @@ _state: _RpcState | None = None
 def _current() -> _RpcState:
     state = _state
     if state is None:
-        raise RuntimeError("RPC has not been initialized: call rpc_registry.init_rpc() first")
+        raise not_initialized()
     return state
 
 
@@ -722,12 +768,17 @@ def init_rpc(
     """
     global _state
     _check_name(name)
+    # torch's wording first in both, which callers may match.
     if backend is not None and not isinstance(backend, BackendType):
-        raise TypeError(f"backend={backend!r}: must be a member of BackendType, e.g. BackendType.TENSORPIPE")
+        raise TypeError(
+            f"Argument backend must be a member of BackendType: backend={backend!r}; "
+            "pass e.g. BackendType.TENSORPIPE"
+        )
     if rpc_backend_options is not None and not isinstance(rpc_backend_options, RpcBackendOptions):
         raise TypeError(
-            f"rpc_backend_options={rpc_backend_options!r}: must be backend options with "
-            "rpc_timeout and init_method, e.g. from construct_rpc_backend_options()"
+            "Argument rpc_backend_options must be an instance of RpcBackendOptions (options with "
+            f"rpc_timeout and init_method): rpc_backend_options={rpc_backend_options!r}; build them "
+            "with construct_rpc_backend_options() or the backend's options class"
         )
     if not _is_int(rank) or rank < -1:
         raise ValueError(f"rank={rank!r}: must be an int >= 0, or -1 to read RANK (env://)")

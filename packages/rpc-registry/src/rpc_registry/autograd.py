@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import logging
 from types import TracebackType
 from typing import Any
@@ -177,6 +178,28 @@ def _leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return leaves
 
 
+def _buffer(grad: torch.Tensor) -> int:
+    """The address of the memory holding ``grad``'s values (its values', for a sparse COO tensor)."""
+    values = grad._values() if grad.layout == torch.sparse_coo else grad
+    return int(values.untyped_storage().data_ptr())
+
+
+def _stealable(leaf: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether the context may keep ``grad`` without a copy (as torch's engine does).
+
+    It may when the layout is the leaf's own: dense and contiguous with the
+    leaf's strides, or sparse COO with contiguous indices and values; and
+    (checked by the caller) no other gradient of the pass shares its memory.
+    """
+    if grad.requires_grad:
+        return False
+    if grad.layout == torch.strided:
+        return leaf.layout == torch.strided and grad.is_contiguous() and grad.stride() == leaf.stride()
+    if grad.layout == torch.sparse_coo:
+        return bool(grad._indices().is_contiguous() and grad._values().is_contiguous())
+    return False
+
+
 def _run_pass(
     state: api._RpcState, context: GradContext, outputs: list[torch.Tensor], grads: list[torch.Tensor]
 ) -> Future[None]:
@@ -203,11 +226,12 @@ def _run_pass(
                 raise RuntimeError(f"Error on Node {me.id}: {exc} (on {me.name})") from exc
             reached.extend((leaf, grad) for leaf, grad in zip(leaves, found) if grad is not None)
     to_senders: dict[tuple[str, int], tuple[WorkerInfo, dict[int, torch.Tensor]]] = {}
+    buffers = collections.Counter(_buffer(grad) for _, grad in reached)
     for leaf, grad in reached:
         with context.lock:
             recv = context.recvs.get(id(leaf))
         if recv is None or recv[0] is not leaf:
-            context.accumulate(leaf, grad)
+            context.accumulate(leaf, grad, steal=_stealable(leaf, grad) and buffers[_buffer(grad)] == 1)
             continue
         info = recv[1]
         _, by_index = to_senders.setdefault((info.sender.name, info.send_id), (info.sender, {}))

@@ -62,11 +62,18 @@ class GradContext:
     grads: dict[torch.Tensor, torch.Tensor] = field(default_factory=dict)
     workers: dict[str, WorkerInfo] = field(default_factory=dict)
 
-    def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add ``grad`` to the gradient of ``tensor`` kept in this context."""
+    def accumulate(self, tensor: torch.Tensor, grad: torch.Tensor, steal: bool = False) -> None:
+        """Add ``grad`` to the gradient of ``tensor`` kept in this context.
+
+        The first gradient is copied unless ``steal``: then it is kept as it is
+        (the context never changes a gradient in place).
+        """
         with self.lock:
             known = self.grads.get(tensor)
-            self.grads[tensor] = grad.detach().clone() if known is None else known + grad
+            if known is not None:
+                self.grads[tensor] = known + grad
+            else:
+                self.grads[tensor] = grad.detach() if steal else grad.detach().clone()
 
     def touched(self, worker: WorkerInfo) -> None:
         """Remember that ``worker`` holds this context too (it is released there as well)."""

@@ -132,9 +132,15 @@ def _rank_and_size(url: str, rank: int, world_size: int | None) -> tuple[int, in
     if world_size is None and parsed.scheme == "env" and os.environ.get("WORLD_SIZE", "").isdigit():
         world_size = int(os.environ["WORLD_SIZE"])
     if rank < 0:
-        group = "a dynamic group (world_size=None) needs" if world_size is None else "init_rpc needs"
-        raise ValueError(f"rank={rank}: {group} this worker's rank; pass rank= (or set RANK for env://)")
+        raise _rank_missing(url, rank, world_size)
     return rank, world_size
+
+
+def _rank_missing(url: str, rank: int, world_size: int | None) -> ValueError:
+    # torch's phrases first, which callers may match.
+    what = "environment variable RANK expected" if url.startswith("env:") else "rank parameter missing"
+    group = "a dynamic group (world_size=None) needs" if world_size is None else "init_rpc needs"
+    return ValueError(f"{what}: rank={rank}: {group} this worker's rank; pass rank= (or set RANK for env://)")
 
 
 def rendezvous_store(
@@ -151,6 +157,8 @@ def rendezvous_store(
     """
     timeout = rpc_timeout if rpc_timeout > 0 else UNLIMITED_INIT_S
     limit = timedelta(seconds=timeout)
+    if url.startswith("env:"):
+        rank, world_size = _rank_and_size(url, rank, world_size)  # RANK before MASTER_ADDR, as torch
     address = _address(url)
     started = time.monotonic()
     if address is not None:
@@ -168,12 +176,14 @@ def rendezvous_store(
                 f"(after {waited:.1f} s of at most {timeout:g} s): {exc}"
             ) from exc
     else:
-        separator = "&" if "?" in url else "?"
-        size = -1 if world_size is None else world_size
+        if rank < 0 and "rank" not in parse_qs(urlparse(url).query):
+            raise _rank_missing(url, rank, world_size)
         if world_size is None:
-            url = f"{url}{separator}rank={rank}&world_size=-1"
-        store, rank, size = next(rendezvous(url, rank=rank, world_size=size, timeout=limit))
-        world_size = None if world_size is None else size
+            # torch's rendezvous adds no world_size of -1 itself: both go in the URL.
+            separator = "&" if "?" in url else "?"
+            store, rank, _ = next(rendezvous(f"{url}{separator}rank={rank}&world_size=-1", timeout=limit))
+        else:
+            store, rank, world_size = next(rendezvous(url, rank=rank, world_size=world_size, timeout=limit))
     store.set_timeout(limit)
     # Each rank counts its own sessions in the store itself, so workers that all start again
     # agree, and a fresh store (a fresh group) starts from 1 whatever a process did before.

@@ -27,6 +27,7 @@ import torch
 from torch.futures import Future
 from typing_extensions import Protocol
 
+from .errors import not_initialized
 from .functions import async_execution, is_async_execution
 from .protocols import WorkerInfo
 
@@ -184,14 +185,22 @@ class RRefContext:
 
     # Wire format.
     def to_wire(
-        self, rref: RRef[Any], dest: WorkerInfo, forks: list[tuple[WorkerInfo, RRefId, ForkId]]
+        self,
+        rref: RRef[Any],
+        dest: WorkerInfo,
+        forks: list[tuple[WorkerInfo, RRefId, ForkId]],
+        reply: bool = False,
     ) -> WireRRef:
-        """Describe ``rref`` for ``dest``; forks to register with other owners go to ``forks``."""
+        """Describe ``rref`` for ``dest``; forks to register with other owners go to ``forks``.
+
+        ``reply``: the message answers a request of ``dest``.
+        """
         if rref._ctx is not self:
             raise RuntimeError(f"{rref!r} belongs to an RPC session that was shut down")
-        if dest == rref._owner:
-            # The sender's reference outlives the send, and the owner handles
-            # this message before any later deletion from the sender.
+        if dest == rref._owner and not reply:
+            # A request keeps the sender's reference alive until its reply, so the owner
+            # decodes this message before any deletion from the sender. A reply has no
+            # answer to wait for: it carries a fork registered with its owner like any other.
             return (rref._owner, rref._rref_id, None)
         fork_id = self.new_id()
         if rref._owner == self.me:
@@ -294,7 +303,7 @@ _CONTEXT: RRefContext | None = None
 
 def _context() -> RRefContext:
     if _CONTEXT is None:
-        raise RuntimeError("RPC has not been initialized: call rpc_registry.init_rpc() first")
+        raise not_initialized(rref=True)
     return _CONTEXT
 
 
@@ -318,7 +327,16 @@ class RRef(Generic[T_co]):
         rref.rpc_sync().size()              # runs Tensor.size on worker1
     """
 
-    __slots__ = ("__weakref__", "_created", "_ctx", "_fork_id", "_owner", "_released", "_rref_id")
+    __slots__ = (
+        "__weakref__",
+        "_attributes",
+        "_created",
+        "_ctx",
+        "_fork_id",
+        "_owner",
+        "_released",
+        "_rref_id",
+    )
 
     _ctx: RRefContext
     _owner: WorkerInfo
@@ -326,6 +344,7 @@ class RRef(Generic[T_co]):
     _fork_id: ForkId | None
     _created: Future[Any] | None
     _released: bool
+    _attributes: set[str]
 
     def __init__(self, value: T_co) -> None:
         ctx = _context()
@@ -347,6 +366,7 @@ class RRef(Generic[T_co]):
         self._fork_id = fork_id
         self._created = created
         self._released = False
+        self._attributes = set()  # names the value is known to have (see _check_attribute)
 
     @classmethod
     def _make(
@@ -420,6 +440,26 @@ class RRef(Generic[T_co]):
         if self._created is not None:
             wait_for(self._created, timeout, f"creation of {self!r} on {self._owner.name}")
 
+    def _check_attribute(self, name: str, timeout: float) -> None:
+        """Raise ``AttributeError`` here if the value has no attribute ``name`` (asks the owner once).
+
+        A proxy's ``remote()`` returns before the call runs, so without this a
+        misspelt method would only fail in ``to_here()``; torch raises at once.
+        """
+        if name in self._attributes:
+            return
+        if self.is_owner():
+            missing = _missing_attribute(self, name)
+        else:
+            request: tuple[object, ...] = ("call", _missing_attribute, (self, name), {})
+            missing = self._ctx.runtime.request(self._owner, request, timeout).wait()
+        if missing is not None:
+            raise AttributeError(
+                f"{missing!r} object has no attribute {name!r}: the value of {self!r} on "
+                f"{self._owner.name} has no method {name}"
+            )
+        self._attributes.add(name)
+
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
         """Backward from the value (a scalar tensor) as the root, on its owner.
 
@@ -429,9 +469,11 @@ class RRef(Generic[T_co]):
         """
         if dist_autograd_ctx_id == -1:
             if not self.is_owner():
+                # torch's wording first, which callers may match.
                 raise RuntimeError(
-                    f"{self!r}.backward(): a local backward pass needs the owner; it is "
-                    f"{self._owner.name}, pass dist_autograd_ctx_id for a distributed one"
+                    f"User RRefs require 'dist_autograd_ctx_id' to be specified: {self!r}.backward() "
+                    f"runs a local backward pass only on the owner ({self._owner.name}); pass the "
+                    "context id of dist_autograd.context() for a distributed one"
                 )
             _backward_value(self, -1, retain_graph)
             return
@@ -502,6 +544,7 @@ class RRefProxy:
             rref._wait_created(seconds)
             payload = (_invoke_rref_method, (rref, name, *args), kwargs)
             if mode == "remote":
+                rref._check_attribute(name, seconds)
                 return runtime.remote(rref._owner, *payload, seconds)
             fut = runtime.request(rref._owner, ("call", *payload), seconds)
             return fut.wait() if mode == "sync" else fut
@@ -529,6 +572,12 @@ def _backward_value(rref: RRef[Any], context_id: int, retain_graph: bool) -> Non
     from . import autograd  # imported here: autograd builds on this module
 
     autograd.backward(context_id, [value], retain_graph=retain_graph)
+
+
+def _missing_attribute(rref: RRef[Any], name: str) -> str | None:
+    """The type name of ``rref``'s value if it lacks attribute ``name``, else None (run on the owner)."""
+    value = rref.local_value()
+    return None if hasattr(value, name) else type(value).__qualname__
 
 
 @async_execution

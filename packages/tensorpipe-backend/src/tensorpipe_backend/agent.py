@@ -34,6 +34,7 @@ from torch.distributed.distributed_c10d import Store
 from torch.futures import Future
 
 from rpc_registry import Message, RequestHandler, WorkerInfo
+from rpc_registry.errors import WorkerNameError
 
 from .address import ADDR_ENV, check_reachable, listen_host
 from .calls import Calls, Pending, Reply, ReplySink
@@ -47,6 +48,7 @@ from .group import (
     publish_signed_record,
     record_key,
     set_members,
+    static_group_met,
 )
 from .options import DeviceMap, TensorPipeRpcBackendOptions
 from .peers import Peers
@@ -63,6 +65,12 @@ logger: logging.Logger = logging.getLogger(__name__)
 __all__ = ["ADDR_ENV", "TensorPipeAgent", "get_current_agent", "prepare_tensor"]
 
 _current: weakref.ref[TensorPipeAgent] | None = None
+# torch's wording, which callers may match; the fix follows it.
+_MIXED_GROUP: Final = (
+    "RPC group mixes statically and dynamically initialized members which is not supported. "
+    "Every worker meeting at one init_method passes world_size (a static group) or none does (a dynamic "
+    "group)"
+)
 
 
 def get_current_agent() -> TensorPipeAgent:
@@ -192,14 +200,16 @@ class TensorPipeAgent:
         current = self._store.compare_set(record_key(record.name), "", text).decode()
         if current != text:
             other = WorkerRecord.from_json(current)
-            raise ValueError(
-                f"name={record.name!r}: already used by the worker of rank {other.rank}; "
+            raise WorkerNameError(
+                f"name={record.name!r} is not unique: the worker of rank {other.rank} has it; "
                 "give every worker a unique name"
             )
         self._records[record.name] = record
 
     def _join_static(self, record: WorkerRecord, world_size: int) -> None:
         timeout = self._init_timeout
+        if members(self._store):
+            raise RuntimeError(_MIXED_GROUP + f": {members(self._store)} joined it without world_size")
         self._records[record.name] = record
         publish_signed_record(self._store, record, self._secret)
         parsed = gather_signed_records(self._store, self._secret, world_size, record.rank, timeout)
@@ -208,8 +218,9 @@ class TensorPipeAgent:
         if len(records) < world_size:
             duplicate = next(n for n in names if names.count(n) > 1)
             ranks = [r for r, n in enumerate(names) if n == duplicate]
-            raise ValueError(
-                f"name={duplicate!r}: used by the workers of ranks {ranks}; give every worker a unique name"
+            raise WorkerNameError(
+                f"name={duplicate!r} is not unique: the workers of ranks {ranks} have it; "
+                "give every worker a unique name"
             )
         check_reachable(parsed)
         validate_device_maps(
@@ -233,9 +244,14 @@ class TensorPipeAgent:
     def _join_dynamic(self, record: WorkerRecord) -> None:
         store, timeout = self._store, self._init_timeout
         with membership_token(store, record.name, timeout):
+            if static_group_met(store):
+                raise RuntimeError(_MIXED_GROUP + f": {record.name} came without world_size")
             current = members(store)
             if record.name in current:
-                raise ValueError(f"name={record.name!r}: a worker of this name is already in the group")
+                raise WorkerNameError(
+                    f"name={record.name!r} is not unique: a worker of this name is already in the group; "
+                    "give every worker a unique name"
+                )
             self._publish(record)
             records = {n: WorkerRecord.from_json(store.get(record_key(n))) for n in current}
             records[record.name] = record
@@ -345,7 +361,12 @@ class TensorPipeAgent:
         self._requests.start(handler)
 
     def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
-        """The named worker's info, or this worker's; ``ValueError`` naming an unknown or departed one."""
+        """The named worker's info, or this worker's.
+
+        Raises:
+            WorkerNameError: (a ``ValueError`` and a ``RuntimeError``) no worker of that name is in
+                the group, or it left.
+        """
         if worker_name is None or worker_name == self._me.name:
             return self._me
         record = self._records.get(worker_name) or self._record(worker_name)
@@ -353,10 +374,14 @@ class TensorPipeAgent:
             with self._lock:
                 reason = self._left.get(worker_name)
                 known = sorted(self._records)
+            # torch's wording ("could not find destination") in both, which callers may match.
             if reason is not None:
-                raise ValueError(f"worker_name={worker_name!r}: worker {worker_name} {reason}")
-            raise ValueError(
-                f"worker_name={worker_name!r}: no worker of this name in the group (known: {known})"
+                raise WorkerNameError(
+                    f"worker_name={worker_name!r}: could not find destination: worker {worker_name} {reason}"
+                )
+            raise WorkerNameError(
+                f"worker_name={worker_name!r}: could not find destination: no worker of this name "
+                f"in the group (known: {known})"
             )
         cached = self._infos.get(worker_name)
         if cached is not None and cached[0] is record:

@@ -34,6 +34,7 @@ __all__ = [
     "members",
     "membership_token",
     "publish_signed_record",
+    "static_group_met",
 ]
 
 _PREFIX: Final = "tensorpipe_backend"
@@ -165,6 +166,11 @@ def members(store: Store) -> list[str]:
         return []
     raw = json.loads(store.get(MEMBERS_KEY))
     return [str(name) for name in raw]
+
+
+def static_group_met(store: Store) -> bool:
+    """Whether a static group (``init_rpc`` with ``world_size``) met in this store."""
+    return bool(store.check([_static_key(0)]))
 
 
 def set_members(store: Store, names: list[str]) -> None:

@@ -125,7 +125,11 @@ class TensorPipeRpcBackendOptions:
         if num_worker_threads < 1:
             raise ValueError(f"num_worker_threads={num_worker_threads}: must be >= 1, e.g. 16")
         if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)):
-            raise TypeError(f"rpc_timeout={rpc_timeout!r}: must be seconds as a float")
+            # torch's phrase first (its pybind error), which callers may match.
+            raise TypeError(
+                f"TensorPipeRpcBackendOptions(): incompatible constructor arguments: rpc_timeout={rpc_timeout!r} "
+                "must be seconds as a float (for a timedelta, pass .total_seconds())"
+            )
         if not math.isfinite(rpc_timeout) or rpc_timeout < 0:
             raise ValueError(f"rpc_timeout={rpc_timeout!r}: must be seconds >= 0 (0 means no timeout)")
         if not isinstance(init_method, str):

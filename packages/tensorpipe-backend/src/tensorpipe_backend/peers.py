@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Final
 
 from rpc_registry import WorkerInfo
+from rpc_registry.errors import WorkerNameError
 
 from .auth import AuthenticationError, HandshakeStatus, PeerIdentity, client_handshake, server_handshake
 from .calls import Calls
@@ -129,7 +130,9 @@ class Peers:
     def _dial(self, name: str, deadline: float | None) -> Connection | None:
         record = self._record(name)
         if record is None:
-            raise ValueError(f"worker {name!r} is not in the group; it may have left")
+            raise WorkerNameError(
+                f"worker {name!r} is not in the group (could not find destination); it may have left"
+            )
         limit = _HANDSHAKE_TIMEOUT if deadline is None else max(min(deadline - time.monotonic(), 30.0), 0.01)
         try:
             sock = dial_local(self._mine(), record, limit) or socket.create_connection(

@@ -34,9 +34,10 @@ def init_backend_handler(
 ) -> TensorPipeAgent:
     """The backend's init handler: a started-up :class:`TensorPipeAgent` for worker ``name``."""
     if not isinstance(rpc_backend_options, TensorPipeRpcBackendOptions):
+        # torch's phrase first, which callers may match.
         raise TypeError(
-            f"rpc_backend_options={rpc_backend_options!r}: the TENSORPIPE backend needs "
-            "TensorPipeRpcBackendOptions; build them with TensorPipeRpcBackendOptions(...)"
+            "`rpc_backend_options` must be a `TensorPipeRpcBackendOptions` for the TENSORPIPE backend: "
+            f"rpc_backend_options={rpc_backend_options!r}; build them with TensorPipeRpcBackendOptions(...)"
         )
     return TensorPipeAgent(store, name, rank, world_size, rpc_backend_options)
 
