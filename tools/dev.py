@@ -22,6 +22,12 @@ An environment "over" another is a virtual environment whose site-packages
 adds the other's (a .pth file), so torch is installed once and each package's
 tests still see only what that package declares. Environments take their pins
 from tools/constraints.txt unless PIP_CONSTRAINT is already set.
+
+DEV_TORCH=<version> makes and uses the environments with that torch instead
+of the pinned one, under .venvs/torch-<version>/ (CI tests the lowest torch
+the packages declare this way):
+
+    DEV_TORCH=2.8.0 python3 tools/dev.py test "unit tests" integration
 """
 
 from __future__ import annotations
@@ -41,8 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VENVS = ROOT / ".venvs"
 PACKAGES = ROOT / "packages"
+CONSTRAINTS = ROOT / "tools" / "constraints.txt"
+#: A torch version to use instead of the one pinned in CONSTRAINTS ("": the pinned one).
+TORCH = os.environ.get("DEV_TORCH", "").strip()
+VENVS = ROOT / ".venvs" / f"torch-{TORCH}" if TORCH else ROOT / ".venvs"
 
 BUILD_BACKEND = ("hatchling>=1.26", "editables>=0.5")
 TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
@@ -83,9 +92,24 @@ def site_packages(venv_dir: Path) -> Path:
     return venv_dir / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
 
 
+def _constraints() -> Path:
+    """CONSTRAINTS, or with DEV_TORCH a copy of it in VENVS that pins that torch instead."""
+    if not TORCH:
+        return CONSTRAINTS
+    if not re.fullmatch(r"\d+(\.\d+)*", TORCH):
+        sys.exit(f"DEV_TORCH={TORCH!r}: expected a torch version such as 2.8.0")
+    kept = [line for line in CONSTRAINTS.read_text().splitlines() if not re.match(r"torch\b", line)]
+    text = "\n".join([*kept, f"torch=={TORCH}"]) + "\n"
+    path = VENVS / "constraints.txt"
+    if not path.is_file() or path.read_text() != text:
+        VENVS.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return path
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env.setdefault("PIP_CONSTRAINT", str(ROOT / "tools" / "constraints.txt"))
+    env.setdefault("PIP_CONSTRAINT", str(_constraints()))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
     return env
@@ -370,6 +394,8 @@ def test(args: list[str]) -> int:
     if not chosen:
         print("no step's title contains " + " or ".join(map(repr, selected)))
         return 2
+    if TORCH:
+        print(f"torch {TORCH} (DEV_TORCH), environments in {VENVS.relative_to(ROOT)}", flush=True)
     for name in dict.fromkeys(s.env for s in chosen if s.env):  # set up first, a line per step
         ensure(name)
     lanes: dict[bool, list[Step]] = {}
