@@ -286,7 +286,7 @@ def _group_store(group: dist.ProcessGroup) -> Store:
     if get_group_store is not None:
         store: Store = get_group_store()
         return store
-    # torch 2.4 has no ProcessGroup.get_group_store(); c10d keeps the same store in its registry.
+    # torch 2.8 has no ProcessGroup.get_group_store(); c10d keeps the same store in its registry.
     from torch.distributed.distributed_c10d import _world
 
     found: Store = _world.pg_map[group][1]
