@@ -90,3 +90,8 @@ def test_dev_torch_that_is_not_a_version_is_refused(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(dev, "TORCH", "latest")
     with pytest.raises(SystemExit, match="DEV_TORCH='latest': expected a torch version"):
         dev._env()
+
+
+def test_suites_moved_to_the_checks_lane_are_steps() -> None:
+    titles = {step.title for step in dev.steps()}
+    assert set(dev.IN_CHECKS_LANE) <= titles
