@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from counting_joinable import CountingJoinable
 
-from join_core import Join, RankLostError, liveness
+from join_core import Join, RankLostError
 from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, _decode
 from join_core.testing import RanksFailedError, run_ranks
 
@@ -171,7 +171,7 @@ def _store_unreachable(rank: int, world_size: int) -> str:
     def no_store(group: dist.ProcessGroup) -> Any:
         raise RuntimeError("no store for this group")
 
-    liveness._group_store = no_store
+    dist.ProcessGroup.get_group_store = no_store  # type: ignore[method-assign, assignment]
     try:
         with Join([CountingJoinable(False)], liveness_timeout=DEFAULT_LIVENESS_TIMEOUT):
             pass

@@ -135,7 +135,7 @@ class LivenessWatchdog:
 
         The first heartbeat is written before this returns, so that a rank
         that freezes right after entering its Join is watched all the same."""
-        store = _group_store(self._group)
+        store = self._group.get_group_store()
         self._store_port = _store_port(store)
         # Endpoints first: a rank whose heartbeat is seen has published them.
         published = _encode(_own_endpoints(self._store_port), _hosts_store(self._store_port))
@@ -166,7 +166,7 @@ class LivenessWatchdog:
 
     def _run(self) -> None:
         try:
-            store = _own_client(_group_store(self._group), self._timeout)
+            store = _own_client(self._group.get_group_store(), self._timeout)
         except Exception as error:  # noqa: BLE001 - liveness is a safety net, not a requirement
             logger.warning("Join: rank %d watches no liveness (no store client: %s)", self._rank, error)
             return
@@ -278,19 +278,6 @@ class LivenessWatchdog:
         self._verdict_ready.set()
         logger.error("Join: rank %d: %s", self._rank, RankLostError(lost))
         _shut_down(peers, store_port)
-
-
-def _group_store(group: dist.ProcessGroup) -> Store:
-    """The store ``group`` was made with (its prefix included)."""
-    get_group_store = getattr(group, "get_group_store", None)
-    if get_group_store is not None:
-        store: Store = get_group_store()
-        return store
-    # torch 2.8 has no ProcessGroup.get_group_store(); c10d keeps the same store in its registry.
-    from torch.distributed.distributed_c10d import _world
-
-    found: Store = _world.pg_map[group][1]
-    return found
 
 
 def _own_client(store: Store, timeout: timedelta) -> Store:
