@@ -27,7 +27,7 @@ DEV_TORCH=<version> makes and uses the environments with that torch instead
 of the pinned one, under .venvs/torch-<version>/ (CI tests the lowest torch
 the packages declare this way):
 
-    DEV_TORCH=2.8.0 python3 tools/dev.py test "unit tests" integration
+    DEV_TORCH=2.10.0 python3 tools/dev.py test "unit tests" integration
 """
 
 from __future__ import annotations
