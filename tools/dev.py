@@ -22,6 +22,12 @@ An environment "over" another is a virtual environment whose site-packages
 adds the other's (a .pth file), so torch is installed once and each package's
 tests still see only what that package declares. Environments take their pins
 from tools/constraints.txt unless PIP_CONSTRAINT is already set.
+
+DEV_TORCH=<version> makes and uses the environments with that torch instead
+of the pinned one, under .venvs/torch-<version>/ (CI tests the lowest torch
+the packages declare this way):
+
+    DEV_TORCH=2.10.0 python3 tools/dev.py test "unit tests" integration
 """
 
 from __future__ import annotations
@@ -41,8 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VENVS = ROOT / ".venvs"
 PACKAGES = ROOT / "packages"
+CONSTRAINTS = ROOT / "tools" / "constraints.txt"
+#: A torch version to use instead of the one pinned in CONSTRAINTS ("": the pinned one).
+TORCH = os.environ.get("DEV_TORCH", "").strip()
+VENVS = ROOT / ".venvs" / f"torch-{TORCH}" if TORCH else ROOT / ".venvs"
 
 BUILD_BACKEND = ("hatchling>=1.26", "editables>=0.5")
 TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
@@ -83,9 +92,24 @@ def site_packages(venv_dir: Path) -> Path:
     return venv_dir / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
 
 
+def _constraints() -> Path:
+    """CONSTRAINTS, or with DEV_TORCH a copy of it in VENVS that pins that torch instead."""
+    if not TORCH:
+        return CONSTRAINTS
+    if not re.fullmatch(r"\d+(\.\d+)*", TORCH):
+        sys.exit(f"DEV_TORCH={TORCH!r}: expected a torch version such as 2.8.0")
+    kept = [line for line in CONSTRAINTS.read_text().splitlines() if not re.match(r"torch\b", line)]
+    text = "\n".join([*kept, f"torch=={TORCH}"]) + "\n"
+    path = VENVS / "constraints.txt"
+    if not path.is_file() or path.read_text() != text:
+        VENVS.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return path
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env.setdefault("PIP_CONSTRAINT", str(ROOT / "tools" / "constraints.txt"))
+    env.setdefault("PIP_CONSTRAINT", str(_constraints()))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
     return env
@@ -306,6 +330,11 @@ def steps() -> list[Step]:
     return found
 
 
+#: Package suites that run in the checks' lane all the same: ddp-join's suite
+#: alone takes about as long as every check, so the lanes then end together.
+IN_CHECKS_LANE = ("unit tests: tensorpipe-backend",)
+
+
 @dataclass
 class Tally:
     """Test counts summed over the pytest steps, with why tests were skipped."""
@@ -361,7 +390,8 @@ def test(args: list[str]) -> int:
     """Run the steps (all, or those whose titles contain a word of ``args``) and summarize them.
 
     Two lanes run side by side: the package test suites (one at a time)
-    and every other check, the integration runs last; ``--serial`` runs one
+    and every other check (with the suites of IN_CHECKS_LANE), the
+    integration runs last; ``--serial`` runs one
     step at a time and streams its output.
     """
     serial = "--serial" in args
@@ -370,12 +400,14 @@ def test(args: list[str]) -> int:
     if not chosen:
         print("no step's title contains " + " or ".join(map(repr, selected)))
         return 2
+    if TORCH:
+        print(f"torch {TORCH} (DEV_TORCH), environments in {VENVS.relative_to(ROOT)}", flush=True)
     for name in dict.fromkeys(s.env for s in chosen if s.env):  # set up first, a line per step
         ensure(name)
     lanes: dict[bool, list[Step]] = {}
     for step in chosen:
         # The package suites in one lane; the checks, then the integration runs, in the other.
-        suite = step.pytest and step.env not in ("check", "run")
+        suite = step.pytest and step.env not in ("check", "run") and step.title not in IN_CHECKS_LANE
         lanes.setdefault(suite and not serial, []).append(step)
     results: dict[str, tuple[str, float, str]] = {}
     lock = threading.Lock()

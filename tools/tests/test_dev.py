@@ -71,3 +71,27 @@ def test_test_suites_and_other_checks_run_side_by_side(
     assert time.monotonic() - start >= 4
     out = capsys.readouterr().out
     assert "a suite" in out and "a check" in out
+
+
+def test_dev_torch_pins_that_torch_in_environments_of_their_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(dev, "TORCH", "2.8.0")
+    monkeypatch.setattr(dev, "VENVS", tmp_path / "torch-2.8.0")
+    monkeypatch.delenv("PIP_CONSTRAINT", raising=False)
+    constraints = Path(dev._env()["PIP_CONSTRAINT"])
+    assert constraints.parent == tmp_path / "torch-2.8.0"
+    pins = [line for line in constraints.read_text().splitlines() if line.startswith("torch")]
+    assert pins == ["torch==2.8.0"]
+    assert dev.environments()["torch"].path == tmp_path / "torch-2.8.0" / "torch"
+
+
+def test_dev_torch_that_is_not_a_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dev, "TORCH", "latest")
+    with pytest.raises(SystemExit, match="DEV_TORCH='latest': expected a torch version"):
+        dev._env()
+
+
+def test_suites_moved_to_the_checks_lane_are_steps() -> None:
+    titles = {step.title for step in dev.steps()}
+    assert set(dev.IN_CHECKS_LANE) <= titles

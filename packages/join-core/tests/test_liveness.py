@@ -165,3 +165,20 @@ def test_the_rank_serving_the_store_is_named_when_lost() -> None:
         results.close()
     assert seen == ["ok", "ok"]
     assert procs[0].exitcode == -signal.SIGKILL
+
+
+def _store_unreachable(rank: int, world_size: int) -> str:
+    def no_store(group: dist.ProcessGroup) -> Any:
+        raise RuntimeError("no store for this group")
+
+    dist.ProcessGroup.get_group_store = no_store  # type: ignore[method-assign, assignment]
+    try:
+        with Join([CountingJoinable(False)], liveness_timeout=DEFAULT_LIVENESS_TIMEOUT):
+            pass
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_watch_that_cannot_start_raises_its_own_error() -> None:
+    assert run_ranks(_store_unreachable, 2) == ["no store for this group"] * 2

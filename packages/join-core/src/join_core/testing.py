@@ -28,6 +28,7 @@ from datetime import timedelta
 from multiprocessing.context import BaseContext
 from typing import Any, Final, Generic, TypeVar
 
+import torch
 import torch.distributed as dist
 
 # torch's stubs do not re-export the store class it documents publicly.
@@ -62,11 +63,19 @@ class _Outcome(Generic[T]):
     error: str
 
 
-def _context() -> BaseContext:
+def _context(fn: Callable[..., Any]) -> BaseContext:
     # A fork server with torch already imported starts ranks in a fraction of
     # spawn's time; fork itself is unsafe once torch has started threads.
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    preload = ["torch", "torch.distributed"]
+    module = getattr(fn, "__module__", None)
+    # The server, started at the first call, can also import fn's module (and
+    # so what that imports) once for every rank, unless torch has CUDA: a
+    # module that asks torch.cuda anything at import would leave every rank
+    # forked from the server unable to use CUDA.
+    if module not in (None, "__main__", "__mp_main__") and not torch.backends.cuda.is_built():
+        preload.append(module)
+    ctx.set_forkserver_preload(preload)
     return ctx
 
 
@@ -123,7 +132,7 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"run_ranks(world_size={world_size}): need at least one rank")
-    ctx = _context()
+    ctx = _context(fn)
     store = TCPStore(
         "127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
     )
