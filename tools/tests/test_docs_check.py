@@ -58,3 +58,19 @@ def test_the_security_page_shows_the_readme_section_when_there_is_one() -> None:
     assert mkdocs_hooks.readme_section(readme, "Security") == "**Threat model.** text\n\nmore\n"
     assert mkdocs_hooks.readme_section("# pkg\n\n## Tests\n", "Security") is None
     assert mkdocs_hooks.readme_section("## Security\nlast\n", "Security") == "last\n"
+
+
+def test_only_torchs_exit_abort_on_every_failed_rank_earns_a_second_run() -> None:
+    abort = f"rank 1 exited -6:\n{docs_check.TORCH_EXIT_ABORT}\nFatal Python error: Aborted\n"
+    assert docs_check.torch_exit_abort(abort)
+    assert docs_check.torch_exit_abort(abort + abort.replace("rank 1", "rank 0"))
+    assert not docs_check.torch_exit_abort(abort + "rank 0 exited 1:\nTraceback ...\n")
+    assert not docs_check.torch_exit_abort("rank 0 exited -6:\nassertion failed\n")
+    assert not docs_check.torch_exit_abort("exited 1:\n")
+    assert not docs_check.torch_exit_abort(None)
+
+
+def test_an_example_that_aborts_at_exit_each_time_still_fails(tmp_path: Path) -> None:
+    code = f"# torchrun --nproc-per-node 1 x.py\nimport os, sys\nprint({docs_check.TORCH_EXIT_ABORT!r}, flush=True)\nos.abort()\n"
+    problem = docs_check.run(docs_check.Example(tmp_path / "x.md", 1, code, 1))
+    assert problem is not None and docs_check.torch_exit_abort(problem)
