@@ -173,7 +173,7 @@ def _store_unreachable(rank: int, world_size: int) -> str:
 
     dist.ProcessGroup.get_group_store = no_store  # type: ignore[method-assign, assignment]
     try:
-        with Join([CountingJoinable(False)], liveness_timeout=DEFAULT_LIVENESS_TIMEOUT):
+        with Join([CountingJoinable(False)]):  # the watch is on by default
             pass
     except RuntimeError as error:
         return str(error)
