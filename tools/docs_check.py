@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration_tests"))
 
-from launch import launch  # noqa: E402
+from launch import launch, torch_exit_abort  # noqa: E402
 
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 RANKS = re.compile(r"torchrun --nproc-per-node (\d+)")
@@ -62,33 +62,20 @@ def sources() -> list[Path]:
     ]
 
 
-#: What a rank prints when torch's gloo worker thread frees a tensor after the interpreter began
-#: to finalize (pytorch/pytorch#190489; seen with torch alone, about 1 run in 60 under load).
-TORCH_EXIT_ABORT = "terminate called without an active exception"
-
-
-def torch_exit_abort(problem: str | None) -> bool:
-    """Whether ``problem`` (from :func:`run`) is only torch's abort at interpreter exit."""
-    if problem is None:
-        return False
-    ranks = re.split(r"^rank \d+ exited ", problem, flags=re.MULTILINE)[1:]
-    return bool(ranks) and all(r.startswith("-6:") and TORCH_EXIT_ABORT in r for r in ranks)
-
-
 def run(example: Example) -> str | None:
     """Run one example; None if it passed, else what went wrong. An example
     whose only failure is torch's abort at interpreter exit runs once more."""
-    problem = _run(example)
-    if torch_exit_abort(problem):
+    problem, exit_abort = _run(example)
+    if exit_abort:
         print(
             f"example: {example}: a rank aborted at exit (torch's gloo exit race); running it again",
             flush=True,
         )
-        problem = _run(example)
+        problem, _ = _run(example)
     return problem
 
 
-def _run(example: Example) -> str | None:
+def _run(example: Example) -> tuple[str | None, bool]:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "example.py"
         script.write_text(example.code)
@@ -96,8 +83,9 @@ def _run(example: Example) -> str | None:
             exits = launch(script, example.ranks, timeout=TIMEOUT_S)
             failed = [e for e in exits if e.returncode != 0]
             if not failed:
-                return None
-            return "\n".join(f"rank {e.rank} exited {e.returncode}:\n{e.output}" for e in failed)
+                return None, False
+            problem = "\n".join(f"rank {e.rank} exited {e.returncode}:\n{e.output}" for e in failed)
+            return problem, torch_exit_abort(exits)
         try:
             result = subprocess.run(
                 [sys.executable, str(script)],
@@ -108,8 +96,8 @@ def _run(example: Example) -> str | None:
                 timeout=TIMEOUT_S,
             )
         except subprocess.TimeoutExpired:
-            return f"did not finish within {TIMEOUT_S:g} s"
-        return None if result.returncode == 0 else f"exited {result.returncode}:\n{result.stdout}"
+            return f"did not finish within {TIMEOUT_S:g} s", False
+        return (None if result.returncode == 0 else f"exited {result.returncode}:\n{result.stdout}"), False
 
 
 def main() -> int:

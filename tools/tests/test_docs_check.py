@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import docs_check
+from launch import TORCH_EXIT_ABORT, RankExit, torch_exit_abort
 
 PAGE = """\
 # Title
@@ -61,16 +62,18 @@ def test_the_security_page_shows_the_readme_section_when_there_is_one() -> None:
 
 
 def test_only_torchs_exit_abort_on_every_failed_rank_earns_a_second_run() -> None:
-    abort = f"rank 1 exited -6:\n{docs_check.TORCH_EXIT_ABORT}\nFatal Python error: Aborted\n"
-    assert docs_check.torch_exit_abort(abort)
-    assert docs_check.torch_exit_abort(abort + abort.replace("rank 1", "rank 0"))
-    assert not docs_check.torch_exit_abort(abort + "rank 0 exited 1:\nTraceback ...\n")
-    assert not docs_check.torch_exit_abort("rank 0 exited -6:\nassertion failed\n")
-    assert not docs_check.torch_exit_abort("exited 1:\n")
-    assert not docs_check.torch_exit_abort(None)
+    def rank(number: int, code: int, output: str) -> RankExit:
+        return RankExit(number, 100 + number, code, 1.0, output)
+
+    abort = f"done\n{TORCH_EXIT_ABORT}\n"
+    assert torch_exit_abort([rank(0, 0, "done\n"), rank(1, -6, abort)])
+    assert torch_exit_abort([rank(0, -6, abort), rank(1, -6, abort)])
+    assert not torch_exit_abort([rank(0, 1, "Traceback ...\n"), rank(1, -6, abort)])
+    assert not torch_exit_abort([rank(0, -6, "assertion failed\n")])
+    assert not torch_exit_abort([rank(0, 0, "done\n")])
 
 
 def test_an_example_that_aborts_at_exit_each_time_still_fails(tmp_path: Path) -> None:
-    code = f"# torchrun --nproc-per-node 1 x.py\nimport os, sys\nprint({docs_check.TORCH_EXIT_ABORT!r}, flush=True)\nos.abort()\n"
+    code = f"# torchrun --nproc-per-node 1 x.py\nimport os\nprint({TORCH_EXIT_ABORT!r}, flush=True)\nos.abort()\n"
     problem = docs_check.run(docs_check.Example(tmp_path / "x.md", 1, code, 1))
-    assert problem is not None and docs_check.torch_exit_abort(problem)
+    assert problem is not None and TORCH_EXIT_ABORT in problem
