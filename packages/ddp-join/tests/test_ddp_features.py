@@ -4,6 +4,8 @@ state dict, each under uneven inputs: no hang, every rank identical."""
 from __future__ import annotations
 
 import pickle
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +119,46 @@ def test_comm_hook_under_join(device: str, backend: str, hook_name: str) -> None
     loose = hook_name == "fp16_compress_hook"  # float16 on the wire
     rtol, atol = (1e-2, 1e-3) if loose else (1e-5, 1e-6)
     torch.testing.assert_close(results[0], expected, rtol=rtol, atol=atol)
+
+
+def _early_write(rank: int, world_size: int) -> tuple[bool, torch.Tensor]:
+    """Whether bucket 0's gradients were written while bucket 1 was still being reduced."""
+    model = DistributedDataParallel(make_model(), bucket_cap_mb_list=[1e-6, 1.0])
+    first = list(model.parameters())[-1]  # bucket 0 holds the last parameter alone
+    seen: list[bool] = []
+
+    def held_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        reduced = allreduce_hook(state, bucket)
+        if bucket.index() == 0:
+            return reduced
+        assert first.grad is not None
+        local = first.grad.clone()
+        held: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def written() -> bool:
+            grad = first.grad
+            return grad is not None and not torch.equal(grad, local)
+
+        def release() -> None:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not written():
+                time.sleep(0.001)
+            seen.append(written())
+            held.set_result(reduced.wait())
+
+        threading.Thread(target=release).start()
+        return held
+
+    model.register_comm_hook(None, held_hook)
+    loss_fn(model, *batch(rank, 0)).backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    return seen == [True], grads
+
+
+def test_a_bucket_s_gradients_are_written_while_later_buckets_are_reduced() -> None:
+    results = run_ranks(_early_write, 2)
+    assert [early for early, _ in results] == [True, True]
+    assert torch.equal(results[0][1], results[1][1])
 
 
 class _BatchNormNet(torch.nn.Module):

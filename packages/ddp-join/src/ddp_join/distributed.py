@@ -658,13 +658,14 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             Join.heartbeat_result(self, total)
 
     def _complete(self, shadow: bool) -> float | None:
-        """Wait for every bucket, write gradients, remember which rank's
-        buffers to take next; return the carried heartbeat, if any."""
-        results = [bucket.result() for bucket in self._buckets]
+        """Wait for each bucket in turn and write its gradients while later ones
+        are still reduced; remember which rank's buffers to take next; return the
+        carried heartbeat, if any."""
         first = self._buckets[0]
+        first_result = first.result()
         meta: list[float] = []
         if self._rides(first):
-            meta = results[0][: first.meta_len].tolist()
+            meta = first_result[: first.meta_len].tolist()
         elif self._meta_future is not None:
             meta = self._meta_future.wait().tolist()
         divisor = self._divisor(meta)
@@ -673,7 +674,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             if self._flags_in_meta and meta
             else None
         )
-        for bucket, result in zip(self._buckets, results):
+        for bucket in self._buckets:
+            result = first_result if bucket is first else bucket.result()
             builtin = bucket.work is not None  # reduced in place, into this bucket's buffer
             scale = divisor if builtin else 1  # hooks divide themselves
             grads = bucket.grads if builtin else result
