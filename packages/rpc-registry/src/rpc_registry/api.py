@@ -446,6 +446,18 @@ class _RpcState:
         except BaseException:
             self.deadlines.claim(call)
             raise
+        self._send_encoded(call, to, request, encoded, timeout)
+        return result
+
+    def _send_encoded(
+        self,
+        call: _Call,
+        to: WorkerInfo,
+        request: tuple[object, ...],
+        encoded: Future[Message],
+        timeout: float,
+    ) -> None:
+        """Send ``request``, pickled as ``encoded`` holds it once done; settle ``call`` with the reply."""
 
         def send(done: Future[Message]) -> None:
             try:
@@ -465,20 +477,25 @@ class _RpcState:
             send(encoded)
         else:
             encoded.add_done_callback(send)
-        return result
 
     def request_wait(self, to: WorkerInfo, request: tuple[object, ...], timeout: float) -> Any:
         """``request``'s result, waited for in this thread (its error raised)."""
         send_wait = self._send_wait
-        if (
-            send_wait is None
-            or to.name == self._me.name
-            or self.grad.current_id() is not None
-            or _is_plain(request, _PLAIN_BUDGET) < 0
-        ):
+        if send_wait is None or to.name == self._me.name or self.grad.current_id() is not None:
             return self.request(to, request, timeout).wait()
-        # A plain call to a peer: the agent may read the reply in this thread.
-        value, error = self._reply_value(send_wait(to, Message(_plain_payload(request)), timeout))
+        if _is_plain(request, _PLAIN_BUDGET) >= 0:
+            message = Message(_plain_payload(request))
+        else:
+            encoded = self.encode(request, to)
+            if not encoded.done():  # RRefs in it wait for their owners: sent from a callback
+                result: Future[Any] = Future()
+                call = self.deadlines.add(result, timeout, (self._me.name, to.name, request[0], request[1]))
+                self._send_encoded(call, to, request, encoded, timeout)
+                return result.wait()
+            message = encoded.wait()
+        # A call to a peer, ready to go: the agent may read the reply in this thread. The
+        # request (with any RRefs in it) lives in this frame until the reply.
+        value, error = self._reply_value(send_wait(to, message, timeout))
         if error is not None:
             raise error
         return value

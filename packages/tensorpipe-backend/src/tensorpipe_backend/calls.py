@@ -27,7 +27,7 @@ from .wire import Kind
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-__all__ = ["Calls", "Pending", "Reply", "ReplySink", "remote_failure"]
+__all__ = ["Calls", "Pending", "Reply", "ReplySink", "remote_failure", "unplaceable"]
 
 ReplySink = Future[Message] | Callable[[Message | BaseException], None]
 """What a call's outcome goes to: a future, or a callback."""
@@ -93,6 +93,11 @@ def remote_failure(conn: Connection, entry: Pending, payload: bytes) -> RuntimeE
     """The error an ERROR frame answering ``entry`` stands for."""
     text = payload.decode(errors="replace")
     return RuntimeError(f"worker {conn.peer.name} could not handle {entry.what}: {text}")
+
+
+def unplaceable(entry: Pending, error: str) -> RuntimeError:
+    """The error of a reply to ``entry`` whose tensors cannot be placed here (``error`` says why)."""
+    return RuntimeError(f"the reply to {entry.what} cannot be placed here: {error}")
 
 
 class Calls:
@@ -175,7 +180,7 @@ class Calls:
         if kind is Kind.ERROR:
             outcome = remote_failure(conn, entry, payload)
         elif error is not None:
-            outcome = RuntimeError(f"the reply to {entry.what} cannot be placed here: {error}")
+            outcome = unplaceable(entry, error)
         else:
             outcome = Message(payload, tensors)
         try:

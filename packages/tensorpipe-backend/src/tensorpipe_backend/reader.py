@@ -24,9 +24,9 @@ import torch
 
 from rpc_registry import Message
 
-from .calls import Calls, Reply, remote_failure
+from .calls import Calls, Reply, remote_failure, unplaceable
 from .connection import Connection
-from .wire import FrameError, Kind
+from .wire import FrameError, Kind, TensorDescriptor
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -197,7 +197,8 @@ class Readers:
 
     def read_for(self, conn: Connection, msg_id: int, reply: Reply, deadline: float | None) -> None:
         """Read the reply to ``msg_id`` in this thread if ``conn``'s stream is free and that reply
-        is the next frame; then give the stream back.
+        is the next frame, with no tensor data in the stream (tensors in shared-memory files are
+        opened here); then give the stream back.
 
         Any other frame ends the wait here: the reader thread processes it,
         so no other call's callback and no peer's function runs in the
@@ -215,7 +216,7 @@ class Readers:
         reason = None
         try:
             data_wait.pause()  # the reader thread sleeps through this reply
-            taken: tuple[Kind, bytes] | bool = not stream.buffered  # just sent: wait before looking
+            taken: tuple[Kind, bytes, list[TensorDescriptor]] | bool = not stream.buffered
             while reply.outcome is None and not conn.closed:
                 if taken is True:
                     remaining = None if deadline is None else deadline - time.monotonic()
@@ -227,14 +228,20 @@ class Readers:
                     continue
                 if taken is False:
                     return
-                kind, payload = taken
+                kind, payload, descs = taken
+                # Opened before the call is claimed: if that fails, dropping the connection fails the call.
+                tensors, error = (
+                    conn.receive_tensors(descs, self._cuda_count, self._me) if descs else ((), None)
+                )
                 entry = self._calls.claim(conn, msg_id)
                 if entry is None:
                     continue  # timed out or failed meanwhile: reply is set
-                if kind is Kind.REPLY:
-                    reply.set(Message(payload))
-                else:
+                if kind is Kind.ERROR:
                     reply.set(remote_failure(conn, entry, payload))
+                elif error is not None:
+                    reply.set(unplaceable(entry, error))
+                else:
+                    reply.set(Message(payload, tensors))
         except (FrameError, OSError, EOFError) as exc:
             reason = self._read_failure(conn, exc)
         finally:

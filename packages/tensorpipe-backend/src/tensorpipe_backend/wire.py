@@ -361,10 +361,11 @@ class FrameReader:
         """How many received bytes wait in the buffer."""
         return self._end - self._start
 
-    def take_reply(self, msg_id: int) -> tuple[Kind, bytes] | bool:
-        """Consume the next frame if it is the REPLY or ERROR frame ``msg_id`` without tensors, and
-        return its kind and payload; ``True`` while it has not wholly arrived, ``False`` when
-        another frame (or a longer one) comes first. Never waits.
+    def take_reply(self, msg_id: int) -> tuple[Kind, bytes, list[TensorDescriptor]] | bool:
+        """Consume the next frame if it is the REPLY or ERROR frame ``msg_id`` with no tensor data
+        in the stream (its tensors, if any, all in shared-memory files), and return its kind,
+        payload and descriptors; ``True`` while it has not wholly arrived, ``False`` when another
+        frame (or a longer one) comes first. Never waits.
 
         Unlike :meth:`read_frame`, nothing is consumed before the whole frame
         is at hand, and it is consumed in one step (one store, or one
@@ -384,22 +385,29 @@ class FrameReader:
         if available < HEADER.size:
             return view is self._peek
         header = _checked_header(*HEADER.unpack_from(view, offset))
-        length = HEADER.size + header.payload_len
+        length = HEADER.size + header.descriptors_len + header.payload_len
         if (
             header.msg_id != msg_id
             or (header.kind is not Kind.REPLY and header.kind is not Kind.ERROR)
-            or header.tensor_count
             or length > len(self._peek)
         ):
             return False
         if available < length:
             return view is self._peek
-        payload = bytes(view[offset + HEADER.size : offset + length])
+        start = offset + HEADER.size
+        descriptors: list[TensorDescriptor] = []
+        if header.tensor_count:
+            block = view[start : start + header.descriptors_len]
+            descriptors = decode_descriptors(block, header.tensor_count)
+            if not all(desc.shm_token for desc in descriptors):
+                return False  # tensor data follows in the stream: the reader thread takes it
+            start += header.descriptors_len
+        payload = bytes(view[start : start + header.payload_len])
         if view is self._view:
             self._start = offset + length
         elif self._sock.recv_into(self._peek, length, socket.MSG_WAITALL) != length:
             raise EOFError("connection closed within a frame")
-        return header.kind, payload
+        return header.kind, payload, descriptors
 
     def read_frame(self) -> tuple[FrameHeader, list[TensorDescriptor], bytes]:
         """The next frame's header, descriptors and payload; its tensor data follows (see ``read_into``)."""
