@@ -11,7 +11,8 @@ figures come from tools/bench_fsdp.py.
 
 The second round's figures are measured against limits: our DDP step over
 the same step with no communication, DDP at 4 ranks, rpc_sync against a raw
-socket round trip in the same processes, a parameter server (8 trainers).
+socket round trip in the same processes, a parameter server (8 trainers, and
+1 trainer for context).
 ``--scale`` adds 24 RPC workers on one host (tools/bench_scale.py) and
 ``--two-hosts`` a 64 MiB echo between two network namespaces (root;
 tools/bench_hosts.py). ``uptime`` before and after goes in the results.

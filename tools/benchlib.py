@@ -38,7 +38,11 @@ def write_results(figures: list[Figure], rounds: int, out: Path, load: list[str]
         "|---|---|---|---|---|---|---|",
     ]
     for f in figures:
-        ratio = f"{f.ratio:.2f}x" if f.goal.endswith("x") or f.goal == "<= torch" else f"{f.ratio:+.1f}"
+        ratio = (
+            f"{f.ratio:.2f}x"
+            if f.goal.endswith("x") or f.goal in ("<= torch", "(context)")
+            else f"{f.ratio:+.1f}"
+        )
         lines.append(
             f"| {f.name} | {f.unit} | {f.ours:.3g} | {_reference(f)} | {f.goal} | {ratio} | {'yes' if f.met else 'NO'} |"
         )
