@@ -54,8 +54,17 @@ def test_descriptors_round_trip() -> None:
         TensorDescriptor(torch.float32, torch.device("cpu"), (2, 3), 24, True),
         TensorDescriptor(torch.int64, torch.device("cuda", 1), (), 8),
         TensorDescriptor(torch.bool, torch.device("cpu"), (0, 4), 0),
+        TensorDescriptor(torch.float32, torch.device("cpu"), (1 << 21,), 1 << 23, lane=True),
     ]
-    assert decode_descriptors(encode_descriptors(descs), 3) == descs
+    assert decode_descriptors(encode_descriptors(descs), 4) == descs
+
+
+def test_a_tensor_both_in_shared_memory_and_on_the_lane_is_rejected() -> None:
+    shared = TensorDescriptor(torch.float32, torch.device("cpu"), (4,), 16, shm_token=bytes(16))
+    block = bytearray(encode_descriptors([shared]))
+    block[5] |= 8  # the lane flag, next to the shared-memory one
+    with pytest.raises(FrameError, match="shared memory and on the lane"):
+        decode_descriptors(bytes(block), 1)
 
 
 def test_descriptor_whose_bytes_do_not_match_its_shape_is_rejected() -> None:

@@ -81,6 +81,28 @@ def serve(name: str, rank: int, world_size: int, init_method: str) -> None:
     shutdown(graceful=True, timeout=60.0)
 
 
+def as_another_host() -> None:
+    """Make this process share no host identity with its peers (as where ``/dev/shm`` is not
+    usable): no Unix socket and no shared memory, so they talk over TCP, with a lane for large
+    tensors."""
+    import tensorpipe_backend.agent
+
+    tensorpipe_backend.agent.host_identity = lambda: ""  # type: ignore[attr-defined]
+
+
+def serve_as_another_host(name: str, rank: int, world_size: int, init_method: str) -> None:
+    """:func:`serve`, from a process that looks like a host of its own."""
+    as_another_host()
+    serve(name, rank, world_size, init_method)
+
+
+def lanes() -> dict[str, bool]:
+    """Per connected peer, whether this worker's connection to it has a lane attached."""
+    peers = get_current_agent()._peers
+    assert peers is not None
+    return {name: conn.lane.sock is not None for name, conn in peers.conns.items()}
+
+
 def serve_until(name: str, rank: int, world_size: int, init_method: str, done: Any) -> None:
     """Serve until ``done`` (an Event) is set, then stop without waiting for the others."""
     init_rpc(name, backend(), rank, world_size, options(init_method))

@@ -2,7 +2,9 @@
 
 :meth:`Connection.write` turns a message into a frame (see
 :mod:`tensorpipe_backend.wire`): small ones in one ``sendall``, tensors from
-their own memory or, to a peer of this host, through shared-memory files.
+their own memory or, to a peer of this host, through shared-memory files;
+large ones to a peer of another host half on the connection's lane
+(:mod:`tensorpipe_backend.lane`).
 :meth:`Connection.receive_tensors` allocates and fills a received frame's
 tensors. Who reads the connection, and when, is :mod:`tensorpipe_backend.reader`'s
 business; how it is set up is :mod:`tensorpipe_backend.peers`'.
@@ -11,6 +13,7 @@ business; how it is set up is :mod:`tensorpipe_backend.peers`'.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import select
 import socket
 import threading
@@ -21,6 +24,7 @@ import torch
 from rpc_registry import WorkerInfo
 
 from .buffers import RECEIVE_BUFFERS
+from .lane import LANE_MIN_BYTES, Lane, lane_head, split_transfer
 from .options import DeviceMap
 from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles
 from .transport import DataWait
@@ -32,6 +36,7 @@ from .wire import (
     device_index,
     encode_descriptors,
     encode_header,
+    recv_into,
     send_all,
     small_frame,
     tensor_bytes,
@@ -44,6 +49,9 @@ __all__ = ["SMALL_PAYLOAD", "Connection", "prepare_tensor"]
 
 SMALL_PAYLOAD: Final = 1 << 16
 """Payloads up to this size go out in one ``sendall`` with their header."""
+# A lane is attached on this end once the dialler's confirmation is read: a frame that uses it
+# may come first.
+_LANE_ATTACH_WAIT: Final = 10.0
 
 
 def _cuda_mapping_error(device: torch.device, dest: str, is_request: bool) -> RuntimeError:
@@ -121,6 +129,7 @@ class Connection:
         self.reader: object = object()
         self.busy = 0
         self.seen = 0
+        self.lane = Lane()
 
     # Sending.
     def write(
@@ -152,19 +161,37 @@ class Connection:
                 else (desc, data)
                 for desc, data in prepared
             ]
-        descriptors = encode_descriptors([desc for desc, _ in prepared]) if prepared else b""
-        header = encode_header(kind, msg_id, len(payload), len(prepared), len(descriptors))
         with self.send_lock:
             if self.closed:
                 raise ConnectionError(f"the connection to {self.peer.name} is closed")
+            lane = self.lane.sock  # under send_lock: the frame and its lane bytes go out in one order
+            if lane is not None:
+                prepared = [
+                    (dataclasses.replace(desc, lane=True), data)
+                    if not desc.shm_token and desc.nbytes >= LANE_MIN_BYTES
+                    else (desc, data)
+                    for desc, data in prepared
+                ]
+            descriptors = encode_descriptors([desc for desc, _ in prepared]) if prepared else b""
+            header = encode_header(kind, msg_id, len(payload), len(prepared), len(descriptors))
             if len(payload) <= SMALL_PAYLOAD:
                 self.sock.sendall(b"".join((header, descriptors, payload)))
             else:
                 self.sock.sendall(header + descriptors)
                 send_all(self.sock, payload)
             for desc, data in prepared:
-                if not desc.shm_token:
-                    send_all(self.sock, tensor_bytes(data))
+                if desc.shm_token:
+                    continue
+                view = tensor_bytes(data)
+                if desc.lane and lane is not None:
+                    head = lane_head(len(view))
+                    split_transfer(
+                        functools.partial(send_all, self.sock, view[:head]),
+                        functools.partial(send_all, lane, view[head:]),
+                        lane,
+                    )
+                else:
+                    send_all(self.sock, view)
 
     def flush(self) -> None:
         """Write the replies the reader batched."""
@@ -202,7 +229,11 @@ class Connection:
                     tensor = RECEIVE_BUFFERS.empty(desc.shape, desc.dtype)
                 except (RuntimeError, OSError, ValueError, OverflowError) as exc:
                     raise FrameError(f"cannot allocate a tensor of shape {desc.shape}: {exc}") from exc
-                self.stream.read_into(tensor_bytes(tensor))
+                view = tensor_bytes(tensor)
+                if desc.lane:
+                    self._read_split(view)
+                else:
+                    self.stream.read_into(view)
             if desc.device.type == "cuda" and error is None:
                 if device_index(desc.device) >= cuda_count:
                     error = (
@@ -215,6 +246,18 @@ class Connection:
                 tensor.requires_grad_()
             tensors.append(tensor)
         return tuple(tensors), error
+
+    def _read_split(self, view: memoryview) -> None:
+        """Fill ``view`` from the stream (its head) and the lane (the rest) at once."""
+        lane = self.lane.wait(_LANE_ATTACH_WAIT)
+        if lane is None:
+            raise FrameError(f"a tensor split over a lane, and no lane from {self.peer.name}")
+        head = lane_head(len(view))
+        split_transfer(
+            functools.partial(self.stream.read_into, view[:head]),
+            functools.partial(recv_into, lane, view[head:]),
+            lane,
+        )
 
 
 def _to_shared_memory(

@@ -2,10 +2,12 @@
 
 One authenticated connection per pair of workers carries requests and
 replies both ways: a Unix socket between workers of one host (found through
-their published host identity), TCP otherwise. When two workers dial each
-other at once, the dial of the lower rank wins and the other is told to use
-it. Every connection starts with the HMAC handshake of
-:mod:`tensorpipe_backend.auth`; nothing is read from a peer before it passed.
+their published host identity), TCP otherwise, with a second TCP connection,
+its lane, for the bytes of large tensors (:mod:`tensorpipe_backend.lane`).
+When two workers dial each other at once, the dial of the lower rank wins
+and the other is told to use it. Every connection and lane starts with the
+HMAC handshake of :mod:`tensorpipe_backend.auth`; nothing is read from a peer
+before it passed.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from .auth import AuthenticationError, HandshakeStatus, PeerIdentity, client_han
 from .calls import Calls
 from .connection import Connection
 from .group import WorkerRecord
+from .lane import LANE_CONFIRM, lane_of, lane_rank
 from .reader import Readers
 from .transport import close_socket, connection_source, dial_local, shared_files, tune
+from .wire import recv_exact
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -163,7 +167,30 @@ class Peers:
         if old is not None and old is not conn:
             self.drop(old, "replaced by a new connection")
         self._readers.start(conn)
+        if conn.shm is None and sock.family != socket.AF_UNIX:
+            self._dial_lane(conn, record, limit)
         return conn
+
+    def _dial_lane(self, conn: Connection, record: WorkerRecord, limit: float) -> None:
+        """Give ``conn`` (TCP, to another host) its lane; without one it carries everything."""
+        try:
+            sock = socket.create_connection((record.host, record.port), timeout=limit)
+        except OSError as exc:
+            logger.debug("%s: no lane to %s: %s", self._me.name, conn.peer.name, exc)
+            return
+        try:
+            tune(sock)
+            me = PeerIdentity(self._me.name, lane_rank(self._me.id))
+            _, status = client_handshake(sock, self._secret, me, PeerIdentity(conn.peer.name, record.rank))
+            if status is not HandshakeStatus.ACCEPTED:
+                raise ConnectionError("the peer keeps the connection without a lane")
+            sock.sendall(LANE_CONFIRM)
+        except (OSError, EOFError, struct.error) as exc:
+            close_socket(sock)
+            logger.debug("%s: no lane to %s: %s", self._me.name, conn.peer.name, exc)
+            return
+        sock.settimeout(None)
+        conn.lane.attach(sock)
 
     def accept_loop(self, listener: socket.socket) -> None:
         """Accept connections on ``listener`` until closed; each is authenticated in its own thread,
@@ -218,17 +245,33 @@ class Peers:
 
     def _serve(self, sock: socket.socket) -> None:
         conn: list[Connection] = []
+        lane_of_conn: list[Connection] = []
 
         def decide(peer: PeerIdentity) -> HandshakeStatus:
             with self._lock:  # authenticated: no longer one of the handshakes that may be cut
                 if self._handshaking.pop(sock, None) is None:
                     raise AuthenticationError("the handshake was cut (too slow, or too many at once)")
+            lane_for = lane_of(peer.rank)
             record = self._record(peer.name)
-            if record is None or record.rank != peer.rank:
-                raise AuthenticationError(f"{peer} is not a member of the group")
+            rank = peer.rank if lane_for is None else lane_for
+            if record is None or record.rank != rank:
+                raise AuthenticationError(f"{PeerIdentity(peer.name, rank)} is not a member of the group")
             with self._lock:
                 if self._closed:
                     raise AuthenticationError("this worker is shutting down")
+                if lane_for is not None:
+                    # A lane of the TCP connection this peer has with us: one, and only for TCP.
+                    existing = self.conns.get(peer.name)
+                    if (
+                        existing is None
+                        or existing.closed
+                        or existing.shm is not None
+                        or existing.sock.family == socket.AF_UNIX
+                        or not existing.lane.claim()
+                    ):
+                        return HandshakeStatus.DUPLICATE
+                    lane_of_conn.append(existing)
+                    return HandshakeStatus.ACCEPTED
                 existing = self.conns.get(peer.name)
                 if existing is not None and not existing.closed:
                     return HandshakeStatus.DUPLICATE
@@ -259,12 +302,28 @@ class Peers:
         finally:
             with self._lock:
                 self._handshaking.pop(sock, None)
+        if lane_of_conn:
+            self._attach_lane(lane_of_conn[0], sock)
+            return
         if not conn:
             close_socket(sock)
             return
         sock.settimeout(None)
         conn[0].send_lock.release()
         self._readers.read_loop(conn[0], conn[0].reader)
+
+    def _attach_lane(self, conn: Connection, sock: socket.socket) -> None:
+        """Attach the lane accepted on ``sock`` to ``conn`` once its dialler confirms it."""
+        try:
+            confirmed = recv_exact(sock, len(LANE_CONFIRM)) == LANE_CONFIRM  # within the handshake's time
+        except (OSError, EOFError) as exc:
+            logger.debug("%s: a lane of %s was not confirmed: %s", self._me.name, conn.peer.name, exc)
+            confirmed = False
+        if not confirmed:
+            close_socket(sock)
+            return
+        sock.settimeout(None)
+        conn.lane.attach(sock)
 
     def drop(self, conn: Connection, reason: str) -> None:
         """Close ``conn`` and fail its pending calls, naming the peer and ``reason``."""
@@ -277,6 +336,7 @@ class Peers:
             pending = self._calls.detach(conn)
             left = self._left.get(conn.peer.name)
         close_socket(conn.sock)
+        conn.lane.close()
         if conn.shm is not None:
             conn.shm.close()
         name = conn.peer.name

@@ -126,6 +126,9 @@ class TensorDescriptor:
     """Empty, or the ``SHM_TOKEN_BYTES`` naming the shared-memory file that holds the data."""
     shm_pooled: bool = False
     """Whether that file is one of the sender's pooled files (kept and reused), not one of its own."""
+    lane: bool = False
+    """Whether the data is split: the first ``lane.lane_head`` bytes follow the frame, the rest come
+    on the connection's lane (see :mod:`tensorpipe_backend.lane`)."""
 
 
 def _dtype_table() -> tuple[torch.dtype, ...]:
@@ -145,7 +148,8 @@ _DEVICE_TYPES: Final = ("cpu", "cuda")
 _REQUIRES_GRAD: Final = 1
 _SHARED_MEMORY: Final = 2
 _POOLED: Final = 4
-_FLAGS: Final = _REQUIRES_GRAD | _SHARED_MEMORY | _POOLED
+_LANE: Final = 8
+_FLAGS: Final = _REQUIRES_GRAD | _SHARED_MEMORY | _POOLED | _LANE
 SHM_TOKEN_BYTES: Final = 16
 """Length of the token naming a tensor's shared-memory file."""
 
@@ -232,6 +236,8 @@ def encode_descriptors(descriptors: Sequence[TensorDescriptor]) -> bytes:
                     f"a shared-memory token has {SHM_TOKEN_BYTES} bytes, got {len(desc.shm_token)}"
                 )
             flags |= _SHARED_MEMORY | (_POOLED if desc.shm_pooled else 0)
+        elif desc.lane:
+            flags |= _LANE
         parts.append(
             _DESCRIPTOR.pack(
                 dtype_code(desc.dtype),
@@ -299,8 +305,12 @@ def decode_descriptors(data: bytes | bytearray | memoryview, count: int) -> list
             raise FrameError(f"descriptor {i}: an empty tensor in shared memory")
         if flags & _POOLED and not token:
             raise FrameError(f"descriptor {i}: a pooled file flag without a shared-memory token")
+        if flags & _LANE and token:
+            raise FrameError(f"descriptor {i}: a tensor both in shared memory and on the lane")
         out.append(
-            TensorDescriptor(dtype, device, shape, nbytes, requires_grad, token, bool(flags & _POOLED))
+            TensorDescriptor(
+                dtype, device, shape, nbytes, requires_grad, token, bool(flags & _POOLED), bool(flags & _LANE)
+            )
         )
     if offset != len(view):
         raise FrameError(f"descriptor block has {len(view) - offset} bytes left over")
