@@ -103,6 +103,22 @@ def lanes() -> dict[str, bool]:
     return {name: conn.lane.sock is not None for name, conn in peers.conns.items()}
 
 
+def local_port(peer: str) -> int:
+    """The local port of this worker's connection to ``peer``."""
+    peers = get_current_agent()._peers
+    assert peers is not None
+    port: int = peers.conns[peer].sock.getsockname()[1]
+    return port
+
+
+def wait_for_lanes(expected: dict[str, bool], timeout: float = 10.0) -> dict[str, bool]:
+    """:func:`lanes` once it is ``expected`` (lanes are dialled on a thread), or at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (found := lanes()) != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
+
+
 def serve_until(name: str, rank: int, world_size: int, init_method: str, done: Any) -> None:
     """Serve until ``done`` (an Event) is set, then stop without waiting for the others."""
     init_rpc(name, backend(), rank, world_size, options(init_method))

@@ -12,6 +12,7 @@ business; how it is set up is :mod:`tensorpipe_backend.peers`'.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import select
@@ -129,7 +130,7 @@ class Connection:
         self.reader: object = object()
         self.busy = 0
         self.seen = 0
-        self.lane = Lane()
+        self.lane: Lane = Lane()
 
     # Sending.
     def write(
@@ -164,7 +165,7 @@ class Connection:
         with self.send_lock:
             if self.closed:
                 raise ConnectionError(f"the connection to {self.peer.name} is closed")
-            lane = self.lane.sock  # under send_lock: the frame and its lane bytes go out in one order
+            lane = self.lane.usable()  # under send_lock: the frame and its lane bytes go out in one order
             if lane is not None:
                 prepared = [
                     (dataclasses.replace(desc, lane=True), data)
@@ -174,24 +175,43 @@ class Connection:
                 ]
             descriptors = encode_descriptors([desc for desc, _ in prepared]) if prepared else b""
             header = encode_header(kind, msg_id, len(payload), len(prepared), len(descriptors))
-            if len(payload) <= SMALL_PAYLOAD:
-                self.sock.sendall(b"".join((header, descriptors, payload)))
+            try:
+                self._send_frame(header, descriptors, payload, prepared, lane)
+            except BaseException:
+                # Part of a frame may be out: the stream is broken for the peer too. Shut down
+                # (not closed: a reader may be blocked on it), so both readers end the connection.
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                self.lane.close()
+                raise
+
+    def _send_frame(
+        self,
+        header: bytes,
+        descriptors: bytes,
+        payload: bytes,
+        prepared: list[tuple[TensorDescriptor, torch.Tensor]],
+        lane: socket.socket | None,
+    ) -> None:
+        """Send a frame and its tensors (hold ``send_lock``)."""
+        if len(payload) <= SMALL_PAYLOAD:
+            self.sock.sendall(b"".join((header, descriptors, payload)))
+        else:
+            self.sock.sendall(header + descriptors)
+            send_all(self.sock, payload)
+        for desc, data in prepared:
+            if desc.shm_token:
+                continue
+            view = tensor_bytes(data)
+            if desc.lane and lane is not None:
+                head = lane_head(len(view))
+                split_transfer(
+                    functools.partial(send_all, self.sock, view[:head]),
+                    functools.partial(send_all, lane, view[head:]),
+                    lane,
+                )
             else:
-                self.sock.sendall(header + descriptors)
-                send_all(self.sock, payload)
-            for desc, data in prepared:
-                if desc.shm_token:
-                    continue
-                view = tensor_bytes(data)
-                if desc.lane and lane is not None:
-                    head = lane_head(len(view))
-                    split_transfer(
-                        functools.partial(send_all, self.sock, view[:head]),
-                        functools.partial(send_all, lane, view[head:]),
-                        lane,
-                    )
-                else:
-                    send_all(self.sock, view)
+                send_all(self.sock, view)
 
     def flush(self) -> None:
         """Write the replies the reader batched."""
@@ -225,13 +245,19 @@ class Connection:
                     error = error or f"{exc}; the call may have timed out"
                     tensor = torch.empty(0)
             else:
+                lane = self._lane() if desc.lane else None
                 try:
                     tensor = RECEIVE_BUFFERS.empty(desc.shape, desc.dtype)
                 except (RuntimeError, OSError, ValueError, OverflowError) as exc:
                     raise FrameError(f"cannot allocate a tensor of shape {desc.shape}: {exc}") from exc
                 view = tensor_bytes(tensor)
-                if desc.lane:
-                    self._read_split(view)
+                if lane is not None:
+                    head = lane_head(len(view))
+                    split_transfer(
+                        functools.partial(self.stream.read_into, view[:head]),
+                        functools.partial(recv_into, lane, view[head:]),
+                        lane,
+                    )
                 else:
                     self.stream.read_into(view)
             if desc.device.type == "cuda" and error is None:
@@ -247,17 +273,19 @@ class Connection:
             tensors.append(tensor)
         return tuple(tensors), error
 
-    def _read_split(self, view: memoryview) -> None:
-        """Fill ``view`` from the stream (its head) and the lane (the rest) at once."""
+    def _lane(self) -> socket.socket:
+        """The lane that brings the rest of a split tensor (it may still be on its
+        way: the peer sends on it once it read the confirmation, maybe before this end attached)."""
+        if not self.lane.claimed:
+            raise FrameError(f"a tensor split over a lane, and no lane with {self.peer.name}")
         lane = self.lane.wait(_LANE_ATTACH_WAIT)
         if lane is None:
-            raise FrameError(f"a tensor split over a lane, and no lane from {self.peer.name}")
-        head = lane_head(len(view))
-        split_transfer(
-            functools.partial(self.stream.read_into, view[:head]),
-            functools.partial(recv_into, lane, view[head:]),
-            lane,
-        )
+            if self.lane.closed:
+                raise EOFError(f"the lane to {self.peer.name} closed")
+            raise FrameError(
+                f"a tensor split over a lane, and no lane with {self.peer.name} within {_LANE_ATTACH_WAIT:g} s"
+            )
+        return lane
 
 
 def _to_shared_memory(

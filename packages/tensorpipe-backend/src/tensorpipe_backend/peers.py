@@ -42,6 +42,7 @@ _HANDSHAKE_TIMEOUT: Final = 30.0  # for a dial: the peer may be busy starting
 _HANDSHAKE_DEADLINE: Final = 10.0
 _MAX_HANDSHAKES: Final = 64
 _MAX_HANDSHAKES_PER_SOURCE: Final = 16
+_LANE_DIAL_TIMEOUT: Final = 5.0  # the peer just accepted the connection: its lane is as quick
 
 
 class Peers:
@@ -167,20 +168,22 @@ class Peers:
         if old is not None and old is not conn:
             self.drop(old, "replaced by a new connection")
         self._readers.start(conn)
-        if conn.shm is None and sock.family != socket.AF_UNIX:
-            self._dial_lane(conn, record, limit)
+        if conn.shm is None and sock.family != socket.AF_UNIX and conn.lane.claim():
+            self._spawn(self._dial_lane, f"lane-{name}", conn, record)
         return conn
 
-    def _dial_lane(self, conn: Connection, record: WorkerRecord, limit: float) -> None:
-        """Give ``conn`` (TCP, to another host) its lane; without one it carries everything."""
+    def _dial_lane(self, conn: Connection, record: WorkerRecord) -> None:
+        """Give ``conn`` (TCP, to another host, its lane claimed) its lane; without one it carries
+        everything."""
         try:
-            sock = socket.create_connection((record.host, record.port), timeout=limit)
+            port = conn.sock.getsockname()[1]
+            sock = socket.create_connection((record.host, record.port), timeout=_LANE_DIAL_TIMEOUT)
         except OSError as exc:
             logger.debug("%s: no lane to %s: %s", self._me.name, conn.peer.name, exc)
             return
         try:
             tune(sock)
-            me = PeerIdentity(self._me.name, lane_rank(self._me.id))
+            me = PeerIdentity(self._me.name, lane_rank(self._me.id, port))
             _, status = client_handshake(sock, self._secret, me, PeerIdentity(conn.peer.name, record.rank))
             if status is not HandshakeStatus.ACCEPTED:
                 raise ConnectionError("the peer keeps the connection without a lane")
@@ -251,24 +254,20 @@ class Peers:
             with self._lock:  # authenticated: no longer one of the handshakes that may be cut
                 if self._handshaking.pop(sock, None) is None:
                     raise AuthenticationError("the handshake was cut (too slow, or too many at once)")
-            lane_for = lane_of(peer.rank)
+            lane = lane_of(peer.rank)
+            rank, port = (peer.rank, None) if lane is None else lane
             record = self._record(peer.name)
-            rank = peer.rank if lane_for is None else lane_for
             if record is None or record.rank != rank:
                 raise AuthenticationError(f"{PeerIdentity(peer.name, rank)} is not a member of the group")
             with self._lock:
                 if self._closed:
                     raise AuthenticationError("this worker is shutting down")
-                if lane_for is not None:
-                    # A lane of the TCP connection this peer has with us: one, and only for TCP.
+                if port is not None:
+                    # The lane of the TCP connection this peer dialled from that port: one at most.
                     existing = self.conns.get(peer.name)
-                    if (
-                        existing is None
-                        or existing.closed
-                        or existing.shm is not None
-                        or existing.sock.family == socket.AF_UNIX
-                        or not existing.lane.claim()
-                    ):
+                    if existing is None or existing.closed or not _dialled_from(existing, port):
+                        return HandshakeStatus.DUPLICATE
+                    if existing.shm is not None or not existing.lane.claim():
                         return HandshakeStatus.DUPLICATE
                     lane_of_conn.append(existing)
                     return HandshakeStatus.ACCEPTED
@@ -345,3 +344,13 @@ class Peers:
         for entry in pending.values():
             text = f"worker {name} {left}" if left else f"worker {name} (rank {conn.peer.id}): {reason}"
             entry.deliver(ConnectionError(f"{text}; {entry.what} did not complete"))
+
+
+def _dialled_from(conn: Connection, port: int) -> bool:
+    """Whether ``conn`` is a TCP connection its peer dialled from local port ``port``."""
+    if conn.sock.family == socket.AF_UNIX:
+        return False
+    try:
+        return bool(conn.sock.getpeername()[1] == port)
+    except OSError:
+        return False
