@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
-from join_core.testing import RanksFailedError, run_ranks
+from join_core.testing import RanksFailedError, run_ranks, run_script
 
 
 def _exit_on_rank_one(rank: int, world_size: int) -> int:
@@ -19,3 +20,17 @@ def test_a_rank_that_exits_without_a_result_is_told_by_its_exit_code() -> None:
     with pytest.raises(RanksFailedError) as failed:
         run_ranks(_exit_on_rank_one, 2, timeout=60)
     assert failed.value.failures == {1: "exited with code 3 before reporting a result"}
+
+
+def test_run_script_gives_each_rank_torchruns_environment_and_tells_how_it_ended(tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os, sys\n"
+        "print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'], sys.argv[1])\n"
+        "sys.exit(int(os.environ['RANK']) * 3)\n"
+    )
+    ended = run_script(script, 2, "arg", timeout=60)
+    assert [(e.rank, e.returncode, e.output) for e in ended] == [
+        (0, 0, "0 2 127.0.0.1 arg\n"),
+        (1, 3, "1 2 127.0.0.1 arg\n"),
+    ]

@@ -5,6 +5,7 @@ not, so nobody hangs. See :class:`Join`, :class:`Joinable` and :class:`JoinHook`
 :class:`ShadowCollectives` shadows the collectives no joinable owns.
 """
 
+from join_core.exit_grace import install_exit_grace
 from join_core.hook import JoinHook
 from join_core.join import Join, JoinAbortedError
 from join_core.joinable import Joinable
@@ -20,4 +21,5 @@ __all__ = [
     "Joinable",
     "RankLostError",
     "ShadowCollectives",
+    "install_exit_grace",
 ]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
+from join_core.exit_grace import install_exit_grace
 from join_core.hook import JoinHook
 from join_core.joinable import Joinable
 from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, LivenessWatchdog, RankLostError
@@ -148,6 +149,7 @@ class Join:
             )
         self._liveness_timeout = liveness_timeout
         self._liveness: LivenessWatchdog | None = None
+        install_exit_grace()
 
     def __enter__(self) -> Self:
         if self._entered:

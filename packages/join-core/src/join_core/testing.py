@@ -12,14 +12,22 @@ Every rank is a fresh process; the rendezvous store listens on 127.0.0.1 on a
 port the OS picks. The call returns each rank's result in rank order, or
 raises :class:`RanksFailedError` with every failing rank's traceback. It never
 waits longer than ``timeout``: ranks still running then are killed.
+
+:func:`run_script` runs a whole script per rank instead, as
+``torchrun --nproc-per-node N`` would, and tells how each interpreter ended
+(its exit code included: what happens at interpreter exit is seen too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
 import queue
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -34,7 +42,7 @@ import torch.distributed as dist
 # torch's stubs do not re-export the store class it documents publicly.
 TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 
-__all__ = ["RanksFailedError", "run_ranks"]
+__all__ = ["RanksFailedError", "ScriptExit", "run_ranks", "run_script"]
 
 T = TypeVar("T")
 
@@ -187,3 +195,70 @@ def run_ranks(
     if failures:
         raise RanksFailedError(failures)
     return [outcomes[rank].value for rank in range(world_size)]  # type: ignore[misc]
+
+
+@dataclass(frozen=True)
+class ScriptExit:
+    """How one rank's interpreter ended under :func:`run_script`."""
+
+    rank: int
+    returncode: int  # negative: killed by that signal
+    output: str  # stdout and stderr, interleaved
+
+
+def run_script(
+    script: str | os.PathLike[str], world_size: int, *args: str, timeout: float = 120.0
+) -> list[ScriptExit]:
+    """Run ``python script *args`` as ``world_size`` fresh interpreters with
+    torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...),
+    so ``dist.init_process_group("gloo")`` needs no argument; the store is
+    hosted here on a port the OS picks. Returns how each ended, in rank order.
+    Interpreters still running after ``timeout`` seconds are killed (exit code
+    ``-9``).
+    """
+    if world_size < 1:
+        raise ValueError(f"run_script(world_size={world_size}): need at least one rank")
+    store = TCPStore(
+        "127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
+    env = dict(
+        os.environ,
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
+    deadline = time.monotonic() + timeout
+    with contextlib.ExitStack() as stack:
+        # Files, not pipes: a rank that writes much never blocks on a reader.
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world_size)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, os.fspath(script), *args],
+                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank, log in enumerate(logs)
+        ]
+        notes = [""] * world_size
+        try:
+            for rank, proc in enumerate(procs):
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    notes[rank] = f"\n[killed: still running after {timeout:.0f} s]"
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            del store
+        exits = []
+        for rank, (proc, log) in enumerate(zip(procs, logs)):
+            log.seek(0)
+            exits.append(ScriptExit(rank, proc.returncode, log.read() + notes[rank]))
+    return exits
