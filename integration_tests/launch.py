@@ -47,22 +47,6 @@ class RankExit:
     output: str
 
 
-#: What a rank prints when torch's gloo worker thread frees a tensor after the interpreter began
-#: to finalize (pytorch/pytorch#190489): seen with torch alone, now and then, after a script's
-#: last line.
-TORCH_EXIT_ABORT = "terminate called without an active exception"
-
-
-def torch_exit_abort(exits: list[RankExit]) -> bool:
-    """Whether the only failure among ``exits`` is torch's abort at interpreter
-    exit: every rank that failed died of SIGABRT after printing
-    :data:`TORCH_EXIT_ABORT`. Callers run such a script once more."""
-    failed = [e for e in exits if e.returncode != 0]
-    return bool(failed) and all(
-        e.returncode == -signal.SIGABRT and TORCH_EXIT_ABORT in e.output for e in failed
-    )
-
-
 def launch(
     script: Path,
     nproc: int,

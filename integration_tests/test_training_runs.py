@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import launch, session_alive, torch_exit_abort
+from launch import launch, session_alive
 from train_dist_autograd import reference as dist_autograd_reference
 from train_fsdp import EVAL_SAMPLES, evaluate_single_process
 from train_param_server import reference as param_server_reference
@@ -42,8 +42,6 @@ def _ranks(backend: str, wanted: int) -> int:
 
 def _run(script: str, nproc: int, args: list[str], timeout: float = 240.0) -> None:
     exits = launch(HERE / script, nproc, args, timeout=timeout)
-    if torch_exit_abort(exits):
-        exits = launch(HERE / script, nproc, args, timeout=timeout)  # torch's exit race: once more
     failed = [e for e in exits if e.returncode != 0]
     assert not failed, "\n".join(f"--- rank {e.rank} (exit {e.returncode}) ---\n{e.output}" for e in failed)
 

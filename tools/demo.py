@@ -34,7 +34,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration_tests"))
 
-from launch import launch, torch_exit_abort  # noqa: E402
+from launch import launch  # noqa: E402
 from training_common import read_results, reference_dense  # noqa: E402
 
 
@@ -115,13 +115,7 @@ def main(argv: list[str]) -> int:
                 on_line=on_line,
             )
             failed = [e for e in exits if e.returncode != 0]
-            if failed and torch_exit_abort(exits):
-                ranks = ", ".join(str(e.rank) for e in failed)
-                console.print(
-                    f"[yellow]rank {ranks} aborted at interpreter exit, after its results were written: "
-                    "torch's gloo exit race (pytorch/pytorch#190489), not the training[/]"
-                )
-            elif failed:
+            if failed:
                 for e in failed:
                     console.print(f"[red]rank {e.rank} failed (exit {e.returncode})[/]\n{e.output}")
                 return 1

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration_tests"))
 
-from launch import launch, torch_exit_abort  # noqa: E402
+from launch import launch  # noqa: E402
 
 FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 RANKS = re.compile(r"torchrun --nproc-per-node (\d+)")
@@ -63,29 +63,15 @@ def sources() -> list[Path]:
 
 
 def run(example: Example) -> str | None:
-    """Run one example; None if it passed, else what went wrong. An example
-    whose only failure is torch's abort at interpreter exit runs once more."""
-    problem, exit_abort = _run(example)
-    if exit_abort:
-        print(
-            f"example: {example}: a rank aborted at exit (torch's gloo exit race); running it again",
-            flush=True,
-        )
-        problem, _ = _run(example)
-    return problem
-
-
-def _run(example: Example) -> tuple[str | None, bool]:
+    """Run one example; None if it passed, else what went wrong. Every rank
+    must exit 0: an abort after the last line fails the example too."""
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "example.py"
         script.write_text(example.code)
         if example.ranks:
             exits = launch(script, example.ranks, timeout=TIMEOUT_S)
             failed = [e for e in exits if e.returncode != 0]
-            if not failed:
-                return None, False
-            problem = "\n".join(f"rank {e.rank} exited {e.returncode}:\n{e.output}" for e in failed)
-            return problem, torch_exit_abort(exits)
+            return "\n".join(f"rank {e.rank} exited {e.returncode}:\n{e.output}" for e in failed) or None
         try:
             result = subprocess.run(
                 [sys.executable, str(script)],
@@ -96,8 +82,8 @@ def _run(example: Example) -> tuple[str | None, bool]:
                 timeout=TIMEOUT_S,
             )
         except subprocess.TimeoutExpired:
-            return f"did not finish within {TIMEOUT_S:g} s", False
-        return (None if result.returncode == 0 else f"exited {result.returncode}:\n{result.stdout}"), False
+            return f"did not finish within {TIMEOUT_S:g} s"
+        return None if result.returncode == 0 else f"exited {result.returncode}:\n{result.stdout}"
 
 
 def main() -> int:
