@@ -119,6 +119,28 @@ def wait_for_lanes(expected: dict[str, bool], timeout: float = 10.0) -> dict[str
     return found
 
 
+def shut_down_when(name: str, rank: int, world_size: int, init_method: str, event: Any) -> None:
+    """Join a static group, wait for ``event`` (an Event), then shut down gracefully."""
+    init_rpc(name, backend(), rank, world_size, options(init_method))
+    event.wait(60)
+    shutdown(graceful=True, timeout=60.0)
+
+
+def forward_kept_when(
+    name: str, rank: int, world_size: int, init_method: str, holder: str, go: Any, results: Any
+) -> None:
+    """Join a static group; once ``go`` is set, have ``holder`` send the RRef it keeps here;
+    report what that gave ("ok" or the error), then shut down."""
+    init_rpc(name, backend(), rank, world_size, options(init_method))
+    go.wait(60)
+    try:
+        value = rpc_sync(holder, forward_kept, args=(name,))
+        results.put("ok" if torch.equal(value, torch.ones(2)) else f"wrong value {value}")
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(exc).__name__}: {exc}")
+    shutdown(graceful=True, timeout=60.0)
+
+
 def serve_until(name: str, rank: int, world_size: int, init_method: str, done: Any) -> None:
     """Serve until ``done`` (an Event) is set, then stop without waiting for the others."""
     init_rpc(name, backend(), rank, world_size, options(init_method))
@@ -220,6 +242,20 @@ def add_ignoring(x: torch.Tensor, n: float, _ignored: object) -> torch.Tensor:
 
 def local_value_after(_slow: object, rref: RRef[torch.Tensor]) -> torch.Tensor:
     return rref.local_value()
+
+
+KEPT: list[RRef[torch.Tensor]] = []
+
+
+def keep(rref: RRef[torch.Tensor]) -> None:
+    """Keep ``rref`` in this worker (see :func:`forward_kept`)."""
+    KEPT.append(rref)
+
+
+def forward_kept(dest: str) -> torch.Tensor:
+    """Send the kept RRef to ``dest`` (neither this worker nor its owner), which fetches its value."""
+    value: torch.Tensor = rpc_sync(dest, RRef.to_here, args=(KEPT[0],))
+    return value
 
 
 def send_to_owner_then_drop(owner: str) -> torch.Tensor:

@@ -834,22 +834,33 @@ def init_rpc(
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     """Stop RPC on this worker.
 
-    With ``graceful=True`` it first releases this worker's RRefs and waits
-    until every worker has called ``shutdown`` (at most ``timeout`` seconds;
-    ``0`` waits without limit), so no request is left without a reply.
+    With ``graceful=True`` it first waits until every worker has called
+    ``shutdown`` and no call is in flight, then releases this worker's RRefs
+    and waits until their releases are done everywhere (at most ``timeout``
+    seconds in all; ``0`` waits without limit), so no request is left
+    without a reply and no owner frees a value a worker may still forward.
     """
     global _state
     with _init_lock:
         state = _current()
         try:
             if graceful:
+                # Every worker first stops calling (as torch does): until then a handler here
+                # may still forward one of this worker's RRefs, whose owner must keep the value.
+                deadline = time.monotonic() + timeout if timeout > 0 else None
+                state.agent.join(shutdown=False, timeout=timeout)
                 state.rrefs.release_users()
-                state.rrefs.flush(timeout)
-                state.agent.join(shutdown=True, timeout=timeout)
+                state.rrefs.flush(_left(deadline))
+                state.agent.join(shutdown=True, timeout=_left(deadline))
         finally:
             _state = None
             _rref.set_context(None)
             state.close()
+
+
+def _left(deadline: float | None) -> float:
+    """Seconds to ``deadline`` for a timeout argument (``0``: none; at least 1 ms otherwise)."""
+    return 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
 
 
 def get_worker_info(name: str | None = None, *, worker_name: str | None = None) -> WorkerInfo:
