@@ -10,7 +10,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import torch
@@ -43,6 +43,10 @@ from rpc_registry import (
     rpc_sync,
     shutdown,
 )
+
+# Called with arguments they do not take, on purpose.
+UNTYPED_ADD: Callable[..., Any] = torch.add
+UNTYPED_DIVMOD: Callable[..., Any] = divmod
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -150,6 +154,21 @@ def test_call_to_self_runs_in_this_process() -> None:
 def test_remote_exception_reaches_caller_with_its_type() -> None:
     with pytest.raises(ValueError, match="boom"):
         rpc_sync("w1", raise_value_error, args=("boom",))
+
+
+def test_torch_operator_with_no_matching_schema_raises_torchs_runtime_error_that_is_a_type_error() -> None:
+    with pytest.raises(
+        RuntimeError, match=r"^Overloaded torch operator invoked from Python failed to match any schema"
+    ):
+        rpc_sync("w1", UNTYPED_ADD, args=())
+    with pytest.raises(TypeError, match=r"add\(\): argument 'other' \(position 2\) must be Tensor"):
+        rpc_async("w1", UNTYPED_ADD, args=(torch.ones(1), "x")).wait()
+
+
+def test_type_error_of_a_python_function_stays_a_plain_type_error() -> None:
+    with pytest.raises(TypeError) as raised:
+        rpc_sync("w1", UNTYPED_DIVMOD, args=(1,))
+    assert type(raised.value) is TypeError
 
 
 def test_call_exceeding_timeout_raises_timeout_error() -> None:

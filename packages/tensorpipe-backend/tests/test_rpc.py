@@ -13,7 +13,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,9 @@ from tensorpipe_backend import TensorPipeAgent, ensure_registered, get_current_a
 from tensorpipe_backend.auth import AuthenticationError, HandshakeStatus, PeerIdentity, client_handshake
 from tensorpipe_backend.calls import Reply
 from tensorpipe_backend.wire import HEADER, Kind, encode_header
+
+# Called with arguments they do not take, on purpose.
+UNTYPED_ADD: Callable[..., Any] = torch.add
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -177,6 +180,13 @@ def test_remote_exception_keeps_type_message_and_remote_traceback() -> None:
         rpc_sync("w2", raise_key_error, args=("missing-key",))
     notes = "".join(getattr(info.value, "__notes__", []))
     assert "Raised on the remote worker" in notes and "raise_key_error" in notes
+
+
+def test_torch_operator_with_no_matching_schema_raises_torchs_runtime_error() -> None:
+    with pytest.raises(
+        RuntimeError, match=r"^Overloaded torch operator invoked from Python failed to match any schema"
+    ):
+        rpc_sync("w1", UNTYPED_ADD, args=())
 
 
 def test_timed_out_call_raises_and_the_agent_keeps_working() -> None:

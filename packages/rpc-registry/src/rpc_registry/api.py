@@ -30,7 +30,7 @@ from typing_extensions import TypeVarTuple, Unpack
 
 from . import rref as _rref
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, INSTALL_DEFAULT_BACKEND, UNSET_RPC_TIMEOUT
-from .errors import WorkerNameError, WorkerRefTypeError, not_initialized
+from .errors import WorkerNameError, WorkerRefTypeError, not_initialized, operator_call
 from .functions import is_async_execution
 from .grad_contexts import WITH_GRAD, GradContainer
 from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
@@ -506,7 +506,7 @@ class _RpcState:
         """Run a plain call in this thread and encode its reply (no future until the reply)."""
         _, func, args, kwargs = request
         try:
-            payload: tuple[object, ...] = ("ok", func(*args, **kwargs))
+            payload: tuple[object, ...] = ("ok", operator_call(func, args, kwargs))
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             payload = _failure(exc, self._me, sender)
         return self._encode_reply(payload, sender, context_id)
@@ -658,7 +658,7 @@ class _RpcState:
 
         def job() -> None:
             try:
-                result = func(*args, **kwargs)
+                result = operator_call(func, args, kwargs)
                 if not is_async_execution(func):
                     out.set_result(result)
                 # Future.then() returns torch's C++ future type, so check by behaviour.

@@ -1,9 +1,11 @@
 """Errors that are both torch's type and the type this package documents.
 
-torch's RPC raises ``RuntimeError`` for an unknown or duplicate worker name
-and ``ValueError`` for a destination of the wrong type, where this package
-raises ``ValueError`` and ``TypeError``: these classes are both, so code
-written against either catches them.
+torch's RPC raises ``RuntimeError`` for an unknown or duplicate worker name,
+``ValueError`` for a destination of the wrong type, and ``RuntimeError`` for
+a torch operator called with arguments none of its schemas takes, where
+Python (and this package) raises ``ValueError``, ``TypeError`` and
+``TypeError``: these classes are both, so code written against either
+catches them.
 
 Example::
 
@@ -15,7 +17,12 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["WorkerNameError", "WorkerRefTypeError", "not_initialized"]
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["OperatorSchemaError", "WorkerNameError", "WorkerRefTypeError", "not_initialized"]
 
 
 class WorkerNameError(ValueError, RuntimeError):
@@ -24,6 +31,28 @@ class WorkerNameError(ValueError, RuntimeError):
 
 class WorkerRefTypeError(TypeError, ValueError):
     """A destination that is none of a worker name, a ``WorkerInfo`` or a worker id."""
+
+
+class OperatorSchemaError(RuntimeError, TypeError):
+    """A torch operator (``torch.add``, ...) called through RPC with arguments none of its
+    schemas takes; the message starts with torch's wording and goes on with Python's."""
+
+
+def operator_call(func: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+    """``func(*args, **kwargs)``; a ``TypeError`` of a torch operator's argument parsing
+    becomes :class:`OperatorSchemaError`, as torch's agent reports it."""
+    try:
+        return func(*args, **kwargs)
+    except TypeError as exc:
+        if (
+            type(func).__name__ != "builtin_function_or_method"
+            or getattr(func, "__module__", None) != "torch"
+        ):
+            raise
+        # torch's wording first, which callers may match.
+        raise OperatorSchemaError(
+            f"Overloaded torch operator invoked from Python failed to match any schema: {exc}"
+        ) from exc
 
 
 def not_initialized(rref: bool = False) -> RuntimeError:
