@@ -7,9 +7,10 @@ If the main thread reaches interpreter finalization first (a script whose
 last lines follow a collective while a model still holds the process group,
 as FSDP2's does, so ``destroy_process_group()`` does not join the threads),
 the worker is ended while it waits for the GIL and the process aborts with
-"terminate called without an active exception" after its last line: up to
-one run in four of a short FSDP2 script on two ranks (pytorch/pytorch#190489 and the
-``atexit`` proposals in torch's pull requests 157193 and 179291).
+"terminate called without an active exception" after its last line: up
+to one run in four of a short FSDP2 script on two ranks
+(pytorch/pytorch#190489, and the ``atexit`` proposals in torch's pull
+requests 157193 and 179291).
 
 Releasing the GIL once at exit, while the interpreter is still whole, lets
 such a thread take it and finish. The release is registered once per
