@@ -170,6 +170,10 @@ class LivenessWatchdog:
         published = _encode(*_own_endpoints(self._store_port))
         # One round trip; endpoints first: a rank whose heartbeat is seen has published them.
         keys, values = [self._endpoints_key(self._rank), self._key(self._rank)], [published, "0"]
+        if self._collectives is not None:
+            # Before the heartbeat: a rank whose heartbeat is seen has its summary's key too.
+            keys.insert(1, self._collectives.key(self._rank))
+            values.insert(1, "{}")
         multi_set: Any = getattr(store, "multi_set", None)  # missing from torch's stubs, and from older torch
         if multi_set is not None:
             multi_set(keys, values)
