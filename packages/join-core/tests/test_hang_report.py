@@ -94,7 +94,7 @@ def test_hang_report_names_the_rank_that_never_entered(how: str, tmp_path: Path)
     for lines, _ in results:
         first = lines[0]
         assert first.startswith("rank 2 never entered all_reduce #"), first
-        assert f"it is in test_hang_report.py:" in first and where in first, first
+        assert "it is in test_hang_report.py:" in first and where in first, first
         assert "ranks 0, 1 wait in all_reduce #" in first and "_stalled_rank()" in first, first
     assert results[0][1] < REPORT_WITHIN_S + 5, f"reported after {results[0][1]:.1f} s"
     # The culprit's stacks are in the report, every thread of it.
@@ -109,33 +109,34 @@ def _desync(rank: int, world_size: int, how: str, imported: bool) -> str:
     grads, loss = torch.ones(4), torch.ones(1)
     reduce = imported_all_reduce if imported else dist.all_reduce
     deadline = time.monotonic() + 30
-    with pytest.raises(CollectiveDesyncError) as raised:
-        with Join([joinable], hang_timeout=None):
-            i = 0
-            while time.monotonic() < deadline:
-                joinable.step(1.0)
-                if how == "skip" and rank == 2 and i == 3:
-                    pass  # skips this iteration's gradient all-reduce
-                elif how == "shapes" and rank == 1 and i == 3:
-                    reduce(torch.ones(3))
-                elif how == "broadcast" and rank == 2 and i == 3:
-                    dist.broadcast(grads, src=0)
-                else:
-                    reduce(grads)
-                reduce(loss)
-                i += 1
-                time.sleep(0.01)
+    with pytest.raises(CollectiveDesyncError) as raised, Join([joinable], hang_timeout=None):
+        i = 0
+        while time.monotonic() < deadline:
+            joinable.step(1.0)
+            if how == "skip" and rank == 2 and i == 3:
+                pass  # skips this iteration's gradient all-reduce
+            elif how == "shapes" and rank == 1 and i == 3:
+                reduce(torch.ones(3))
+            elif how == "broadcast" and rank == 2 and i == 3:
+                dist.broadcast(grads, src=0)
+            else:
+                reduce(grads)
+            reduce(loss)
+            i += 1
+            time.sleep(0.01)
     return str(raised.value)
 
 
-@pytest.mark.parametrize(
-    ("how", "imported"), [("skip", False), ("shapes", True), ("broadcast", False)]
-)
+@pytest.mark.parametrize(("how", "imported"), [("skip", False), ("shapes", True), ("broadcast", False)])
 def test_desync_is_raised_on_every_rank_naming_both_calls(how: str, imported: bool) -> None:
     started = time.monotonic()
     messages = run_ranks(_desync, 3, how, imported, timeout=90)
     assert time.monotonic() - started < 30
-    odd = {"skip": "rank 2 called all_reduce", "shapes": "rank 1 called all_reduce", "broadcast": "rank 2 called broadcast"}[how]
+    odd = {
+        "skip": "rank 2 called all_reduce",
+        "shapes": "rank 1 called all_reduce",
+        "broadcast": "rank 2 called broadcast",
+    }[how]
     for message in messages:
         assert "collectives out of step at #" in message, message
         assert odd in message, message

@@ -12,8 +12,8 @@ from join_core.join import Join, JoinAbortedError
 from join_core.joinable import Joinable
 from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, RankLostError
 from join_core.recorder import CollectiveRecord, CollectiveRecorder, record_collectives, recorder
-from join_core.watch import CollectiveWatchHandle, watch_collectives
 from join_core.shadow import CollectiveMismatchError, ShadowCollectives
+from join_core.watch import CollectiveWatchHandle, watch_collectives
 
 __all__ = [
     "DEFAULT_HANG_TIMEOUT",

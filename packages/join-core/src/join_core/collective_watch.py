@@ -160,7 +160,9 @@ class CollectiveWatch:
             state = _parse(raw, _MAX_STATE_BYTES)
             states[rank] = state if _valid_state(state) else None
         lines = analyze_hang(awaited, states, waited + time.monotonic() - started)
-        in_it = [r for r, s in states.items() if s is not None and any(int(p["seq"]) == seq for p in s["pending"])]
+        in_it = [
+            r for r, s in states.items() if s is not None and any(int(p["seq"]) == seq for p in s["pending"])
+        ]
         if in_it and self._rank == min(in_it):
             logger.error("Join hang report (rank %d):\n%s", self._rank, "\n".join(lines))
         else:

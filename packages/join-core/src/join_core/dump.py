@@ -12,6 +12,7 @@ store (``$TORCHELASTIC_RUN_ID`` when torchrun set it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -41,10 +42,8 @@ def dump_dir() -> Path:
         path.mkdir(parents=True, exist_ok=True)
         return path
     path = Path(tempfile.gettempdir()) / f"join-core-dumps-{os.getuid()}"
-    try:
+    with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
         # Made by someone else, or a link: never written through; a fresh one of our own instead.

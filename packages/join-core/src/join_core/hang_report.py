@@ -128,7 +128,9 @@ def find_desync(states: Mapping[int, Sequence[Mapping[str, Any]]]) -> str | None
     return None
 
 
-def analyze_hang(awaited: Mapping[str, Any], states: Mapping[int, State | None], waited_s: float) -> list[str]:
+def analyze_hang(
+    awaited: Mapping[str, Any], states: Mapping[int, State | None], waited_s: float
+) -> list[str]:
     """The hang report's lines; the first names the culprit and why.
 
     Args:
@@ -143,7 +145,9 @@ def analyze_hang(awaited: Mapping[str, Any], states: Mapping[int, State | None],
     for rank in sorted(states):
         state = states[rank]
         if state is None:
-            findings.append((rank, f"rank {rank} did not answer the hang report: it is frozen, dead or cut off"))
+            findings.append(
+                (rank, f"rank {rank} did not answer the hang report: it is frozen, dead or cut off")
+            )
             continue
         pending = {int(r["seq"]): r for r in state["pending"]}
         mine = pending.get(seq)
@@ -184,7 +188,9 @@ def analyze_hang(awaited: Mapping[str, Any], states: Mapping[int, State | None],
         lines.append(first)
         lines += [text for _, text in findings[1:]]
     else:
-        lines.append(f"every rank is in {what} at {awaited['call_site']} for {waited_s:.0f} s: the backend is stuck")
+        lines.append(
+            f"every rank is in {what} at {awaited['call_site']} for {waited_s:.0f} s: the backend is stuck"
+        )
     for rank, _ in findings:
         state = states[rank]
         if state is None or "stacks" not in state:

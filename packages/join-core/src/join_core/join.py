@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
+from join_core.collective_watch import DEFAULT_HANG_TIMEOUT, CollectiveDesyncError
 from join_core.exit_grace import install_exit_grace
 from join_core.hook import JoinHook
 from join_core.joinable import Joinable
-from join_core.collective_watch import DEFAULT_HANG_TIMEOUT, CollectiveDesyncError
 from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, LivenessWatchdog, RankLostError
 from join_core.recorder import record_collectives
 
@@ -159,7 +159,9 @@ class Join:
                 f"Join(liveness_timeout={liveness_timeout!r}): must be positive; pass None to turn it off"
             )
         if hang_timeout is not None and hang_timeout.total_seconds() <= 0:
-            raise ValueError(f"Join(hang_timeout={hang_timeout!r}): must be positive; pass None to turn it off")
+            raise ValueError(
+                f"Join(hang_timeout={hang_timeout!r}): must be positive; pass None to turn it off"
+            )
         self._liveness_timeout = liveness_timeout
         self._hang_timeout = hang_timeout
         self._liveness: LivenessWatchdog | None = None

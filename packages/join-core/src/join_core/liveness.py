@@ -283,9 +283,10 @@ class LivenessWatchdog:
                 if collectives is None:
                     store.set(self._key(self._rank), str(beat))
                 else:
-                    multi_set: Any = store.multi_set  # missing from torch's stubs
+                    multi_set: Any = getattr(store, "multi_set")  # noqa: B009 - missing from torch's stubs
                     multi_set(
-                        [self._key(self._rank), collectives.key(self._rank)], [str(beat), collectives.summary()]
+                        [self._key(self._rank), collectives.key(self._rank)],
+                        [str(beat), collectives.summary()],
                     )
                 for rank in others:
                     if rank not in endpoints and store.check([self._key(rank)]):
