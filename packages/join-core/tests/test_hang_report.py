@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -20,6 +22,7 @@ from torch.distributed import all_reduce as imported_all_reduce
 
 from join_core import CollectiveDesyncError, Join, watch_collectives
 from join_core.testing import run_ranks
+from join_core.trace import analyze_dumps
 
 HANG_TIMEOUT = timedelta(seconds=2)
 #: Hang timeout, plus the heartbeats it takes to see it and gather the report.
@@ -102,9 +105,15 @@ def test_hang_report_names_the_rank_that_never_entered(how: str, tmp_path: Path)
     assert "--- rank 2" in text and "MainThread" in text
     if how == "loader":
         assert "loader-worker" in text
+    # The dumps tell the same, read later by the trace command.
+    traced = subprocess.run(
+        [sys.executable, "-m", "join_core.trace", str(tmp_path)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.splitlines()
+    assert traced[1] == results[0][0][0], traced[:2]
 
 
-def _desync(rank: int, world_size: int, how: str, imported: bool) -> str:
+def _desync(rank: int, world_size: int, dump_dir: str, how: str, imported: bool) -> str:
+    os.environ["JOIN_CORE_DUMP_DIR"] = dump_dir
     joinable = CountingJoinable(False)
     grads, loss = torch.ones(4), torch.ones(1)
     reduce = imported_all_reduce if imported else dist.all_reduce
@@ -128,9 +137,9 @@ def _desync(rank: int, world_size: int, how: str, imported: bool) -> str:
 
 
 @pytest.mark.parametrize(("how", "imported"), [("skip", False), ("shapes", True), ("broadcast", False)])
-def test_desync_is_raised_on_every_rank_naming_both_calls(how: str, imported: bool) -> None:
+def test_desync_is_raised_on_every_rank_naming_both_calls(how: str, imported: bool, tmp_path: Path) -> None:
     started = time.monotonic()
-    messages = run_ranks(_desync, 3, how, imported, timeout=90)
+    messages = run_ranks(_desync, 3, str(tmp_path), how, imported, timeout=90)
     assert time.monotonic() - started < 30
     odd = {
         "skip": "rank 2 called all_reduce",
@@ -141,9 +150,12 @@ def test_desync_is_raised_on_every_rank_naming_both_calls(how: str, imported: bo
         assert "collectives out of step at #" in message, message
         assert odd in message, message
         assert "test_hang_report.py:" in message and "_desync()" in message, message
+    (run,) = tmp_path.iterdir()
+    assert analyze_dumps(run)[0] in messages[0]
 
 
-def _plain_script_desync(rank: int, world_size: int) -> str:
+def _plain_script_desync(rank: int, world_size: int, dump_dir: str) -> str:
+    os.environ["JOIN_CORE_DUMP_DIR"] = dump_dir
     watch_collectives(hang_timeout=None)
     with pytest.raises(CollectiveDesyncError) as raised:
         for i in range(3000):
@@ -152,7 +164,7 @@ def _plain_script_desync(rank: int, world_size: int) -> str:
     return str(raised.value)
 
 
-def test_watch_collectives_raises_desync_in_a_plain_script() -> None:
-    for message in run_ranks(_plain_script_desync, 2, timeout=90):
+def test_watch_collectives_raises_desync_in_a_plain_script(tmp_path: Path) -> None:
+    for message in run_ranks(_plain_script_desync, 2, str(tmp_path), timeout=90):
         assert "rank 0 called all_reduce" in message and "float32[1]" in message, message
         assert "rank 1 called all_reduce" in message and "float32[2]" in message, message

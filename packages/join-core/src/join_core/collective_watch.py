@@ -83,6 +83,7 @@ class CollectiveWatch:
         self._reported: set[int] = set()  # sequence numbers already reported
         self._report: tuple[Mapping[str, Any], float, float] | None = None  # (awaited, waited, started)
         self._run: str | None = None
+        self._report_state: dict[str, Any] | None = None
         self.verdict: CollectiveDesyncError | None = None
         watching(self._group, +1)
 
@@ -144,6 +145,7 @@ class CollectiveWatch:
             self._reported.add(seq)
             self._report = (first["record"], float(first.get("waited", 0.0)), time.monotonic())
             state = rank_state(self._rank, self._group, self._recorder, stacks=True)
+            self._report_state = state
             store.set(self._report_key(seq, self._rank), _bounded_state(state))
             return
         awaited, waited, started = self._report
@@ -159,7 +161,8 @@ class CollectiveWatch:
         for rank, raw in zip(ranks, values):
             state = _parse(raw, _MAX_STATE_BYTES)
             states[rank] = state if _valid_state(state) else None
-        lines = analyze_hang(awaited, states, waited + time.monotonic() - started)
+        waited += time.monotonic() - started
+        lines = analyze_hang(awaited, states, waited)
         in_it = [
             r for r, s in states.items() if s is not None and any(int(p["seq"]) == seq for p in s["pending"])
         ]
@@ -167,7 +170,9 @@ class CollectiveWatch:
             logger.error("Join hang report (rank %d):\n%s", self._rank, "\n".join(lines))
         else:
             logger.error("Join hang report: %s", lines[0])
-        self.write_dump(store, "hang", "\n".join(lines))
+        self.write_dump(
+            store, "hang", "\n".join(lines), self._report_state, {"awaited": dict(awaited), "waited": waited}
+        )
 
     def finish_report(self, store: Store) -> None:
         """Gather and write the report in progress, if any (the watch is ending)."""
@@ -178,14 +183,25 @@ class CollectiveWatch:
     def _report_key(self, seq: int, rank: int) -> str:
         return f"{self._prefix}report/{seq}/{rank}"
 
-    def write_dump(self, store: Store | None, kind: str, message: str) -> None:
+    def write_dump(
+        self,
+        store: Store | None,
+        kind: str,
+        message: str,
+        state: dict[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
         """Write this rank's dump for a verdict or report of ``kind`` (``store``:
-        where the run's name is agreed; None when it cannot be reached)."""
+        where the run's name is agreed, None when it cannot be reached;
+        ``state``: the one this rank reported, default: its state now)."""
         try:
             if self._run is None:
                 self._run = dump.run_id(store)
-            state = rank_state(self._rank, self._group, self._recorder, stacks=True)
-            path = dump.write(self._run, self._rank, self._world_size, kind, message, state, self._recorder)
+            if state is None:
+                state = rank_state(self._rank, self._group, self._recorder, stacks=True)
+            path = dump.write(
+                self._run, self._rank, self._world_size, kind, message, state, self._recorder, extra or {}
+            )
             logger.error("Join: rank %d wrote its collective dump to %s", self._rank, path)
         except Exception as error:  # noqa: BLE001 - a dump must never hide the verdict
             logger.warning("Join: rank %d could not write its collective dump: %s", self._rank, error)

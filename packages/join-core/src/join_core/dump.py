@@ -19,6 +19,7 @@ import secrets
 import stat
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -72,6 +73,7 @@ def write(
     message: str,
     state: dict[str, Any],
     recorder: CollectiveRecorder,
+    extra: Mapping[str, Any],
 ) -> Path:
     """Write this rank's dump for a failure of ``kind`` ("lost", "desync", "hang"); its path."""
     folder = dump_dir() / run
@@ -84,6 +86,7 @@ def write(
         "message": message,
         "state": state,
         "records": [r.as_dict() for r in recorder.records()],
+        **extra,
     }
     path = folder / f"rank-{rank}.json"
     temporary = folder / f".rank-{rank}.json.{os.getpid()}"
