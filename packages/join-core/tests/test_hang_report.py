@@ -107,7 +107,11 @@ def test_hang_report_names_the_rank_that_never_entered(how: str, tmp_path: Path)
         assert "loader-worker" in text
     # The dumps tell the same, read later by the trace command.
     traced = subprocess.run(
-        [sys.executable, "-m", "join_core.trace", str(tmp_path)], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-m", "join_core.trace", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout.splitlines()
     assert traced[1] == results[0][0][0], traced[:2]
 

@@ -40,6 +40,8 @@ from typing import Any, Final
 import torch
 import torch.distributed as dist
 
+from join_core import intercept
+
 __all__ = [
     "DEFAULT_CAPACITY",
     "CollectiveRecord",
@@ -265,6 +267,8 @@ _install_lock = threading.Lock()
 _DTYPE_NAMES: Final[dict[torch.dtype, str]] = {}
 _internal_code: dict[CodeType, bool] = {}
 _internal_dirs: list[str] = []
+_TORCH_DIRS: list[int] = [0]  # how many of _internal_dirs are torch's
+_torch_code: dict[CodeType, bool] = {}
 
 
 def recorder() -> CollectiveRecorder | None:
@@ -293,33 +297,65 @@ def record_collectives(capacity: int = DEFAULT_CAPACITY) -> CollectiveRecorder:
         for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32):
             _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
         rec = CollectiveRecorder(capacity)
+        issue = _Issuer(rec)
+        methods = issue.methods
         process_group: Any = dist.ProcessGroup
         for method, (op, positions) in _METHODS.items():
             original = getattr(process_group, method, None)
             if original is not None:
-                setattr(process_group, method, _wrap_collective(rec, original, op, positions))
+                methods[method] = (original, op, positions)
+                setattr(process_group, method, _wrap_collective(issue, original, method, op))
+        intercept.set_issuer(issue)
         work_class: Any = dist.Work
         work_class.wait = _wrap_wait(rec, work_class.wait)
         _recorder = rec
         return rec
 
 
-def _wrap_collective(
-    rec: CollectiveRecorder, original: Callable[..., Any], op: str, positions: tuple[int, ...] | None
-) -> Callable[..., Any]:
-    getframe = sys._getframe
+class _Issuer:
+    """How a call is issued: recorded, then passed to the original method."""
 
-    def collective(self: dist.ProcessGroup, *args: Any, **kwargs: Any) -> Any:
+    def __init__(self, rec: CollectiveRecorder) -> None:
+        self.rec = rec
+        self.methods: dict[str, tuple[Callable[..., Any], str, tuple[int, ...] | None]] = {}
+
+    def __call__(
+        self,
+        group: dist.ProcessGroup,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        caller: FrameType,
+    ) -> Any:
+        original, op, positions = self.methods[method]
         # All-to-all: split sizes may differ per rank, so only the dtype is compared.
         tensors = _tensors([args[i] for i in positions if i < len(args)] if positions else args[:1])
-        record = rec._begin(self, op, tensors, positions is None, getframe(1))
+        record = self.rec._begin(group, op, tensors, positions is None, caller)
         try:
-            work = original(self, *args, **kwargs)
+            work = original(group, *args, **kwargs)
         except BaseException as error:
             record.ended, record.failed = time.time(), f"{type(error).__name__}: {error}"[:500]
             raise
-        rec._issued(work, record)
+        self.rec._issued(work, record)
         return work
+
+
+def _wrap_collective(
+    issue: Callable[[dist.ProcessGroup, str, tuple[Any, ...], dict[str, Any], FrameType], Any],
+    original: Callable[..., Any],
+    method: str,
+    op: str,
+) -> Callable[..., Any]:
+    getframe = sys._getframe
+    handlers = intercept.handlers
+    new = tuple.__new__  # a NamedTuple's own constructor costs a microsecond more
+
+    def collective(self: dist.ProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        if handlers:
+            handler = handlers.get(self)
+            if handler is not None:
+                return handler(new(intercept.Call, (op, method, self, args, kwargs, getframe(1), issue)))
+        return issue(self, method, args, kwargs, getframe(1))
 
     collective.__name__ = collective.__qualname__ = original.__name__
     collective.__doc__ = original.__doc__
@@ -383,8 +419,10 @@ def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
 
 
 def _package_dirs() -> list[str]:
-    dirs = []
+    dirs: list[str] = []
     for name in _INTERNAL_PACKAGES:
+        if name == "join_core":
+            _TORCH_DIRS[0] = len(dirs)
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):
@@ -396,6 +434,18 @@ def _package_dirs() -> list[str]:
         elif spec.origin:
             dirs.append(os.path.realpath(spec.origin))
     return dirs
+
+
+def is_torch(code: CodeType) -> bool:
+    """Whether ``code`` is torch's (or a decorator's torch uses)."""
+    found = _torch_code.get(code)
+    if found is None:
+        if not _internal_dirs:
+            _internal_dirs.extend(_package_dirs())
+        path = os.path.realpath(code.co_filename)
+        found = any(path.startswith(d) for d in _internal_dirs[: _TORCH_DIRS[0]])
+        _torch_code[code] = found
+    return found
 
 
 def is_internal(code: CodeType) -> bool:

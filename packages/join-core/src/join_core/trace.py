@@ -53,7 +53,11 @@ def analyze_dumps(folder: Path) -> list[str]:
     world_size = max(int(d.get("world_size", 0)) for d in dumps.values())
     kinds = {d.get("kind") for d in dumps.values()}
     missing = [r for r in range(world_size) if r not in dumps]
-    tail = [f"no dump from {'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))}"] if missing else []
+    tail = (
+        [f"no dump from {'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))}"]
+        if missing
+        else []
+    )
     if "desync" in kinds:
         found = find_desync({rank: d["records"] for rank, d in dumps.items()})
         if found is not None:
@@ -72,9 +76,12 @@ def analyze_dumps(folder: Path) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command's entry point."""
     parser = argparse.ArgumentParser(
-        prog="python -m join_core.trace", description="Name the culprit of a hang, desync or lost rank from dumps."
+        prog="python -m join_core.trace",
+        description="Name the culprit of a hang, desync or lost rank from dumps.",
     )
-    parser.add_argument("dir", type=Path, help="a run's folder of dumps, or the folder of runs (newest is read)")
+    parser.add_argument(
+        "dir", type=Path, help="a run's folder of dumps, or the folder of runs (newest is read)"
+    )
     args = parser.parse_args(argv)
     if not args.dir.is_dir():
         parser.error(f"{args.dir} is not a folder")
