@@ -52,6 +52,8 @@ __all__ = [
 
 #: How many collectives the recorder keeps (across all groups).
 DEFAULT_CAPACITY: Final = 2048
+#: The environment variable that turns recording off when "0".
+RECORD_VARIABLE: Final = "JOIN_CORE_RECORD"
 #: How long a failed collective waits for a watch's verdict to explain it.
 VERDICT_GRACE_S: Final = 3.0
 
@@ -157,9 +159,16 @@ class CollectiveRecord:
 class CollectiveRecorder:
     """The ring of this process's last collectives and those still pending.
 
-    Use :func:`recorder` for the process's one instance."""
+    Use :func:`recorder` for the process's one instance.
+
+    Attributes:
+        enabled: False stops recording (and with it hang reports and desync
+            errors) until set True again; ``JOIN_CORE_RECORD=0`` in the
+            environment starts it False.
+    """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.enabled = os.environ.get(RECORD_VARIABLE, "1") != "0"
         self._records: deque[CollectiveRecord] = deque(maxlen=capacity)
         self._counters: dict[dist.ProcessGroup, Iterator[int]] = {}
         self._names: dict[dist.ProcessGroup, str] = {}
@@ -328,6 +337,8 @@ class _Issuer:
         caller: FrameType,
     ) -> Any:
         original, op, positions = self.methods[method]
+        if not self.rec.enabled:
+            return original(group, *args, **kwargs)
         # All-to-all: split sizes may differ per rank, so only the dtype is compared.
         tensors = _tensors([args[i] for i in positions if i < len(args)] if positions else args[:1])
         record = self.rec._begin(group, op, tensors, positions is None, caller)
