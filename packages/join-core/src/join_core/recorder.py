@@ -376,13 +376,14 @@ def _wrap_collective(
 
 def _wrap_wait(rec: CollectiveRecorder, original: Callable[..., Any]) -> Callable[..., Any]:
     def wait(self: dist.Work, *args: Any, **kwargs: Any) -> Any:
+        entry = rec._pending.get(id(self))  # before: a sweep may take a failed work out meanwhile
         try:
             result = original(self, *args, **kwargs)
         except Exception as error:
-            entry = rec._pending.get(id(self))
             rec._waited(self, error)
-            if entry is not None:
-                verdict = _await_verdict(rec, entry[1].group)
+            group = entry[1].group if entry is not None else _only_watched_group()
+            if group is not None:
+                verdict = _await_verdict(rec, group)
                 if verdict is not None:
                     raise verdict from error
             raise
@@ -393,6 +394,11 @@ def _wrap_wait(rec: CollectiveRecorder, original: Callable[..., Any]) -> Callabl
     wait.__doc__ = original.__doc__
     wait.__wrapped__ = original  # type: ignore[attr-defined]
     return wait
+
+
+def _only_watched_group() -> str | None:
+    groups = [group for group, count in _watched_groups.items() if count > 0]
+    return groups[0] if len(groups) == 1 else None
 
 
 def _await_verdict(rec: CollectiveRecorder, group: str) -> BaseException | None:
