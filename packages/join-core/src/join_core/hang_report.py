@@ -68,10 +68,12 @@ def main_thread_site() -> str:
 
 
 def thread_stacks() -> dict[str, list[str]]:
-    """Every thread's stack, innermost call last, by ``name (id)``."""
+    """Every other thread's stack, innermost call last, by ``name (id)``."""
     names = {t.ident: t.name for t in threading.enumerate()}
     found = {}
     for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue  # the watch itself, taking the stacks
         lines = traceback.format_stack(frame, limit=_MAX_STACK_FRAMES)
         found[f"{names.get(ident, 'thread')} ({ident})"] = [line.rstrip() for line in lines]
     return found
