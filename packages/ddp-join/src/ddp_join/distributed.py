@@ -17,7 +17,7 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ddp_join._groups import global_rank, resolve_group
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook
-from join_core import DEFAULT_LIVENESS_TIMEOUT, Join, JoinHook
+from join_core import DEFAULT_LIVENESS_TIMEOUT, Join, JoinHook, record_collectives
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -231,6 +231,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self.device_mesh = device_mesh
         self.process_group: dist.ProcessGroup
         self.process_group = group = resolve_group(process_group, "DistributedDataParallel")
+        record_collectives()  # numbered from here on every rank: hang reports and desyncs name them
         self.module: ModuleT = module
         self._params = [p for p in module.parameters() if p.requires_grad]
         if not self._params:
