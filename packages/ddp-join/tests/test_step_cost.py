@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ddp_join import DistributedDataParallel
@@ -14,7 +16,7 @@ def _setattrs_per_step(rank: int, world_size: int) -> int:
     calls = 0
     original = torch.nn.Module.__setattr__
 
-    def counting(self: torch.nn.Module, name: str, value: object) -> None:
+    def counting(self: torch.nn.Module, name: str, value: Any) -> None:
         nonlocal calls
         calls += self is model
         original(self, name, value)
