@@ -79,3 +79,15 @@ def test_model_join_passes_its_liveness_timeout_to_the_join() -> None:
     assert (
         message == "Join(liveness_timeout=datetime.timedelta(0)): must be positive; pass None to turn it off"
     )
+
+
+def _join_with_hang_timeout(rank: int, world_size: int) -> str:
+    model = DistributedDataParallel(make_model())
+    with pytest.raises(ValueError) as refused:
+        model.join(hang_timeout=timedelta(0))
+    return str(refused.value)
+
+
+def test_model_join_passes_its_hang_timeout_to_the_join() -> None:
+    [message] = run_ranks(_join_with_hang_timeout, 1)
+    assert message == "Join(hang_timeout=datetime.timedelta(0)): must be positive; pass None to turn it off"

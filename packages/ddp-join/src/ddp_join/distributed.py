@@ -17,7 +17,7 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ddp_join._groups import global_rank, resolve_group
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook
-from join_core import DEFAULT_LIVENESS_TIMEOUT, Join, JoinHook, record_collectives
+from join_core import DEFAULT_HANG_TIMEOUT, DEFAULT_LIVENESS_TIMEOUT, Join, JoinHook, record_collectives
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -493,6 +493,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         throw_on_early_termination: bool = False,
         *,
         liveness_timeout: timedelta | None = DEFAULT_LIVENESS_TIMEOUT,
+        hang_timeout: timedelta | None = DEFAULT_HANG_TIMEOUT,
     ) -> Join:
         """A :class:`join_core.Join` over this model alone.
 
@@ -506,12 +507,16 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             liveness_timeout: as :class:`join_core.Join`'s: a rank silent
                 this long is lost and named on every other rank; None turns
                 the watch off.
+            hang_timeout: as :class:`join_core.Join`'s: a collective waiting
+                this long makes every rank log a hang report naming the
+                culprit; None turns the reports off.
         """
         return Join(
             [self],
             enable=enable,
             throw_on_early_termination=throw_on_early_termination,
             liveness_timeout=liveness_timeout,
+            hang_timeout=hang_timeout,
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
 

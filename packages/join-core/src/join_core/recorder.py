@@ -168,7 +168,7 @@ class CollectiveRecorder:
     """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        self.enabled = os.environ.get(RECORD_VARIABLE, "1") != "0"
+        self.enabled: bool = os.environ.get(RECORD_VARIABLE, "1") != "0"
         self._records: deque[CollectiveRecord] = deque(maxlen=capacity)
         self._counters: dict[dist.ProcessGroup, Iterator[int]] = {}
         self._names: dict[dist.ProcessGroup, str] = {}
