@@ -1,0 +1,49 @@
+"""Training with a different number of batches on each rank."""
+
+from __future__ import annotations
+
+import torch
+from join_core.testing import run_ranks
+
+import cases
+
+WORLD: int = 3
+BASE, EXTRA, EPOCHS = 2, 1, 2  # rank r has BASE + r * EXTRA batches
+
+
+def _fit_uneven(rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], int, float]:
+    cases.lightning_env(rank, world_size)
+    model = cases.Regression()
+    trainer = cases.trainer(world_size, max_epochs=EPOCHS)
+    trainer.fit(model, cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state, trainer.global_step, float(trainer.callback_metrics["train_loss_epoch"])
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """One process, the same steps: step i averages the gradients of the ranks
+    that have a batch i, divided by the world size (divide_by_initial_world_size)."""
+    model = cases.Regression()
+    optimizer = model.configure_optimizers()
+    shares = [cases.regression_batches(rank, BASE + rank * EXTRA) for rank in range(WORLD)]
+    for _ in range(EPOCHS):
+        for step in range(max(map(len, shares))):
+            optimizer.zero_grad()
+            for share in shares:
+                if step < len(share):
+                    x, y = share[step]
+                    (torch.nn.functional.mse_loss(model(x), y) / WORLD).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
+def test_uneven_batches_end_with_the_single_process_model_on_every_rank() -> None:
+    results = run_ranks(_fit_uneven, WORLD, timeout=90)
+    expected = _reference()
+    steps = EPOCHS * (BASE + (WORLD - 1) * EXTRA)
+    for rank, (state, global_step, _) in enumerate(results):
+        assert global_step == steps, f"rank {rank}"
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
+    # The epoch's mean loss is the same on every rank (synced over every batch of every rank).
+    assert len({loss for _, _, loss in results}) == 1
