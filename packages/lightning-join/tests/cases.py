@@ -98,3 +98,55 @@ class Regression(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+def classification_data(count: int = 25) -> TensorDataset:
+    """``count`` labelled samples, the same on every rank."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(count, FEATURES, generator=generator)
+    return TensorDataset(x, torch.randint(0, CLASSES, (count,), generator=generator))
+
+
+class Classifier(pl.LightningModule):
+    """Logs, on validation and test, a synced mean loss (each step and over
+    the epoch), a synced sample count, and torchmetrics' accuracy and mean
+    loss, optionally synced on every step."""
+
+    def __init__(self, dist_sync_on_step: bool = False) -> None:
+        super().__init__()
+        import torchmetrics
+
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(FEATURES, CLASSES)
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(
+            num_classes=CLASSES, average="micro", dist_sync_on_step=dist_sync_on_step
+        )
+        self.mean_loss = torchmetrics.MeanMetric(dist_sync_on_step=dist_sync_on_step)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:
+        x, y = batch
+        logits = self.net(x)
+        losses = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+        self.accuracy(logits, y)
+        self.mean_loss(losses)
+        n = len(x)
+        self.log(f"{stage}_loss", losses.mean(), sync_dist=True, on_step=True, on_epoch=True, batch_size=n)
+        self.log(f"{stage}_count", float(n), sync_dist=True, reduce_fx="sum", on_epoch=True, batch_size=n)
+        self.log(f"{stage}_accuracy", self.accuracy, on_epoch=True)
+        self.log(f"{stage}_mean_loss", self.mean_loss, on_epoch=True)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -9,6 +9,7 @@ validates and tests on every sample exactly once.
 """
 
 from lightning_join.evaluation import EvaluationSteps
+from lightning_join.metrics import gather_all_tensors
 from lightning_join.strategy import JoinDDPStrategy
 
-__all__ = ["EvaluationSteps", "JoinDDPStrategy"]
+__all__ = ["EvaluationSteps", "JoinDDPStrategy", "gather_all_tensors"]

@@ -21,10 +21,12 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from torch.nn import Module
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_join import _loops
 from lightning_join.evaluation import EvaluationSteps
+from lightning_join.metrics import gather_all_tensors
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -48,7 +50,10 @@ class JoinDDPStrategy(DDPStrategy):
     ``reduce_boolean_decision``, torchmetrics syncs), so nothing hangs. When
     the last rank is done, every rank takes its model, optimizer and
     learning-rate scheduler states and step counters, so all ranks agree on
-    ``global_step``, checkpoints and early stopping.
+    ``global_step``, checkpoints and early stopping. The torchmetrics
+    metrics of the LightningModule sync with
+    :func:`lightning_join.gather_all_tensors` (unless they have a
+    ``dist_sync_fn`` of their own), which leaves joined ranks out.
 
     Each rank brings its own share of the data: use
     ``Trainer(use_distributed_sampler=False)`` and, for example,
@@ -142,6 +147,7 @@ class JoinDDPStrategy(DDPStrategy):
         self._training_join: Join | None = None
         self._evaluation_join: Join | None = None
         self._evaluation_steps: EvaluationSteps | None = None
+        self._metrics: list[Metric] = []  # whose dist_sync_fn this strategy set
 
     # Set-up and tear-down.
 
@@ -150,6 +156,10 @@ class JoinDDPStrategy(DDPStrategy):
         _check_trainer(trainer)
         super().setup(trainer)
         self._trainer = trainer
+        for module in self.lightning_module.modules() if self.lightning_module is not None else []:
+            if isinstance(module, Metric) and module.dist_sync_fn is None:
+                module.dist_sync_fn = gather_all_tensors
+                self._metrics.append(module)
         if trainer.state.fn == TrainerFn.FITTING:
             _loops.wrap_training_epoch_loop(trainer.fit_loop.epoch_loop, self)
         if self.exact_eval:
@@ -194,6 +204,9 @@ class JoinDDPStrategy(DDPStrategy):
             ):
                 _loops.unwrap(loop)
             self._trainer = None
+        for metric in self._metrics:
+            metric.dist_sync_fn = None
+        self._metrics = []
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
         super().teardown()
@@ -228,14 +241,22 @@ class JoinDDPStrategy(DDPStrategy):
     def reduce(
         self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
-        """As DDPStrategy's; a mean is over the ranks that contribute (a rank
-        that has joined adds nothing to it instead of a zero)."""
+        """As DDPStrategy's, with two differences for a mean. It is over the
+        ranks that contribute: a rank that has joined adds nothing to it
+        instead of a zero. And the mean of an integer tensor is returned as a
+        new floating-point tensor instead of truncated in place: Lightning
+        averages the summed batch sizes of an epoch's ``sync_dist`` mean, and
+        ``25 / 3`` truncated to 8 made that mean wrong whenever the ranks'
+        sample counts do not add up to a multiple of the world size."""
         mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
-        if not (mean and isinstance(tensor, Tensor) and tensor.is_floating_point() and dist.is_initialized()):
+        if not (mean and isinstance(tensor, Tensor) and dist.is_initialized()):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        packed = torch.cat([tensor.detach().reshape(-1), tensor.new_ones(1)])
+        floating = tensor.is_floating_point()
+        dtype = tensor.dtype if floating else torch.get_default_dtype()
+        packed = torch.cat([tensor.detach().reshape(-1).to(dtype), torch.ones(1, dtype=dtype, device=tensor.device)])
         dist.all_reduce(packed, group=group)
-        return tensor.copy_((packed[:-1] / packed[-1]).view_as(tensor))
+        averaged = (packed[:-1] / packed[-1]).view(tensor.shape)
+        return tensor.copy_(averaged) if floating else averaged
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
