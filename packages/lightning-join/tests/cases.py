@@ -150,3 +150,10 @@ class Classifier(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def DDPStrategyFabric() -> Any:  # noqa: N802 - stands for the class in the baseline runs
+    """Fabric's own DDPStrategy (for LIGHTNING_JOIN_BASELINE=1)."""
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+    return FabricDDPStrategy()

@@ -25,6 +25,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_join import _loops
+from lightning_join._reductions import is_mean, mean_over_contributors
 from lightning_join.evaluation import EvaluationSteps
 from lightning_join.metrics import gather_all_tensors
 
@@ -241,22 +242,15 @@ class JoinDDPStrategy(DDPStrategy):
     def reduce(
         self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
-        """As DDPStrategy's, with two differences for a mean. It is over the
-        ranks that contribute: a rank that has joined adds nothing to it
-        instead of a zero. And the mean of an integer tensor is returned as a
-        new floating-point tensor instead of truncated in place: Lightning
-        averages the summed batch sizes of an epoch's ``sync_dist`` mean, and
-        ``25 / 3`` truncated to 8 made that mean wrong whenever the ranks'
-        sample counts do not add up to a multiple of the world size."""
-        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
-        if not (mean and isinstance(tensor, Tensor) and dist.is_initialized()):
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        floating = tensor.is_floating_point()
-        dtype = tensor.dtype if floating else torch.get_default_dtype()
-        packed = torch.cat([tensor.detach().reshape(-1).to(dtype), torch.ones(1, dtype=dtype, device=tensor.device)])
-        dist.all_reduce(packed, group=group)
-        averaged = (packed[:-1] / packed[-1]).view(tensor.shape)
-        return tensor.copy_(averaged) if floating else averaged
+        """As DDPStrategy's, except that a mean is over the ranks that
+        contribute (a rank that has joined adds nothing to it instead of a
+        zero), and the mean of an integer tensor is a new floating-point
+        tensor rather than truncated (which made an epoch's ``sync_dist``
+        mean wrong when the ranks' sample counts do not add up to a multiple
+        of the world size)."""
+        if is_mean(reduce_op) and isinstance(tensor, Tensor) and dist.is_initialized():
+            return mean_over_contributors(tensor, group)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
