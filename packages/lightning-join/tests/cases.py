@@ -29,7 +29,11 @@ def lightning_env(rank: int, world_size: int) -> None:
     """What Lightning reads to know that this process is rank ``rank`` of an
     already started job (the process group is initialised by run_ranks)."""
     os.environ.update(
-        LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1"
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
     )
     os.environ.setdefault("MASTER_PORT", "29500")
     # Lightning's advice about dataloader workers and logging is noise on two cores.
@@ -65,7 +69,10 @@ def regression_batches(rank: int, count: int, batch_size: int = 2) -> list[tuple
     """``count`` batches of rank ``rank``'s own regression data (deterministic)."""
     generator = torch.Generator().manual_seed(1000 + rank)
     return [
-        (torch.randn(batch_size, FEATURES, generator=generator), torch.randn(batch_size, 1, generator=generator))
+        (
+            torch.randn(batch_size, FEATURES, generator=generator),
+            torch.randn(batch_size, 1, generator=generator),
+        )
         for _ in range(count)
     ]
 
@@ -152,8 +159,8 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def DDPStrategyFabric() -> Any:  # noqa: N802 - stands for the class in the baseline runs
+def DDPStrategyFabric() -> Any:
     """Fabric's own DDPStrategy (for LIGHTNING_JOIN_BASELINE=1)."""
-    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.fabric.strategies.ddp import DDPStrategy as FabricDDPStrategy
 
     return FabricDDPStrategy()

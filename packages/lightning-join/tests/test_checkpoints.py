@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import tempfile
 
+import cases
 import torch
-from join_core.testing import run_ranks
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader
 
-import cases
+from join_core.testing import run_ranks
 
 WORLD: int = 2
 MAX_EPOCHS: int = 5

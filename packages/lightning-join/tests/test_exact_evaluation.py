@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import cases
 import pytest
 import torch
-from join_core.testing import run_ranks
 from torch.utils.data import DataLoader
 
-import cases
+from join_core.testing import run_ranks
 
 WORLD: int = 3
 SAMPLES, BATCH = 25, 4  # shares of 9, 8 and 8 samples: 3, 2 and 2 batches
@@ -25,7 +25,9 @@ def _evaluate(
     elif stage == "test":
         trainer.test(model, loader, verbose=False)
     else:  # validation after an epoch of uneven training
-        train = cases.loader([(x, y) for x, y in DataLoader(cases.classification_data(4 + 2 * rank), batch_size=2)])
+        train = cases.loader(
+            [(x, y) for x, y in DataLoader(cases.classification_data(4 + 2 * rank), batch_size=2)]
+        )
         trainer.fit(model, train, loader)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -44,9 +46,7 @@ def _expected(model: cases.Classifier, prefix: str) -> dict[str, float]:
     }
 
 
-@pytest.mark.parametrize(
-    ("stage", "dist_sync_on_step"), [("validate", True), ("test", False), ("fit", True)]
-)
+@pytest.mark.parametrize(("stage", "dist_sync_on_step"), [("validate", True), ("test", False), ("fit", True)])
 def test_metrics_equal_single_process_values(stage: str, dist_sync_on_step: bool) -> None:
     results = run_ranks(_evaluate, WORLD, stage, dist_sync_on_step, timeout=90)
     model = cases.Classifier()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from join_core.testing import run_ranks
-from lightning.fabric import Fabric
+import re
 
 import cases
+import pytest
+import torch
+from lightning.fabric import Fabric
+
+from join_core.testing import run_ranks
 from lightning_join.fabric import JoinDDPStrategy, join
 
 WORLD: int = 2
@@ -28,7 +30,9 @@ def _train(rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], float]:
             loss = torch.nn.functional.mse_loss(model(x), y)
             fabric.backward(loss)
             optimizer.step()
-            losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean"))
+            reduced = fabric.all_reduce(loss.detach(), reduce_op="mean")
+            assert isinstance(reduced, torch.Tensor)
+            losses.append(reduced)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}, float(losses[-1])
 
 
@@ -62,5 +66,5 @@ def test_fabric_loop_under_join_ends_with_the_single_process_model() -> None:
 
 def test_join_needs_the_join_strategy() -> None:
     fabric = Fabric(accelerator="cpu", devices=1)
-    with pytest.raises(TypeError, match="strategy=lightning_join.fabric.JoinDDPStrategy"):
+    with pytest.raises(TypeError, match=re.escape("strategy=lightning_join.fabric.JoinDDPStrategy()")):
         join(fabric)

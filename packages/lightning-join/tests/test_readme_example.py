@@ -19,7 +19,9 @@ def test_readme_example_runs_with_lightnings_launcher() -> None:
     example = re.search(r"^```python\n(.*?)^```$", README.read_text(), re.MULTILINE | re.DOTALL)
     assert example is not None and "Trainer(" in example.group(1)
     # Lightning's launcher starts rank 1 itself: no torchrun variables may leak in.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")
+    }
     with tempfile.TemporaryDirectory() as folder:
         script = Path(folder) / "example.py"
         script.write_text(example.group(1))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-from join_core.testing import run_ranks
-
 import cases
+import torch
+
+from join_core.testing import run_ranks
 
 WORLD: int = 3
 BASE, EXTRA, EPOCHS = 2, 1, 2  # rank r has BASE + r * EXTRA batches

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from join_core import Join, JoinHook
 
 __all__ = ["EvaluationSteps"]

@@ -20,19 +20,19 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from ddp_join import DistributedDataParallel
-from join_core import DEFAULT_LIVENESS_TIMEOUT, Join, ShadowCollectives
 from lightning.fabric import Fabric
-from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.accelerators.accelerator import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
+from ddp_join import DistributedDataParallel
+from join_core import DEFAULT_LIVENESS_TIMEOUT, Join, ShadowCollectives
 from lightning_join._reductions import is_mean, mean_over_contributors
 
 __all__ = ["JoinDDPStrategy", "join"]
@@ -96,7 +96,9 @@ class JoinDDPStrategy(DDPStrategy):
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel[Module]:  # type: ignore[override]
         """Wrap ``module`` in :class:`ddp_join.DistributedDataParallel`."""
-        ddp = DistributedDataParallel(module=module, device_ids=self._determine_ddp_device_ids(), **self._ddp_kwargs)
+        ddp = DistributedDataParallel(
+            module=module, device_ids=self._determine_ddp_device_ids(), **self._ddp_kwargs
+        )
         self._modules.append(ddp)
         return ddp
 
@@ -107,7 +109,7 @@ class JoinDDPStrategy(DDPStrategy):
         """As Fabric's DDPStrategy's, except that a mean is over the ranks
         that contribute (and the mean of an integer tensor is a new
         floating-point tensor rather than truncated)."""
-        if is_mean(reduce_op) and isinstance(tensor, Tensor) and dist.is_initialized():
+        if is_mean(reduce_op) and dist.is_initialized():
             return mean_over_contributors(tensor, group)
         return super().all_reduce(tensor, group=group, reduce_op=reduce_op)
 
@@ -172,5 +174,3 @@ def join(fabric: Fabric) -> Join:
             "Fabric with strategy=lightning_join.fabric.JoinDDPStrategy()"
         )
     return strategy.join()
-
-

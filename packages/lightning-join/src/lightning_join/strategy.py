@@ -10,20 +10,20 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from ddp_join import DistributedDataParallel, UnevenDistributedSampler
-from join_core import DEFAULT_LIVENESS_TIMEOUT, Join, ShadowCollectives
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from torchmetrics import Metric
 from typing_extensions import override
 
+from ddp_join import DistributedDataParallel, UnevenDistributedSampler
+from join_core import DEFAULT_LIVENESS_TIMEOUT, Join, ShadowCollectives
 from lightning_join import _loops
 from lightning_join._reductions import is_mean, mean_over_contributors
 from lightning_join.evaluation import EvaluationSteps
@@ -248,7 +248,7 @@ class JoinDDPStrategy(DDPStrategy):
         tensor rather than truncated (which made an epoch's ``sync_dist``
         mean wrong when the ranks' sample counts do not add up to a multiple
         of the world size)."""
-        if is_mean(reduce_op) and isinstance(tensor, Tensor) and dist.is_initialized():
+        if is_mean(reduce_op) and dist.is_initialized():
             return mean_over_contributors(tensor, group)
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
