@@ -63,7 +63,7 @@ def _fit_time(world_size: int, join: bool, steps: int) -> float:
             )
 
         def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-            loss = self.net(batch[0]).pow(2).mean()
+            loss: torch.Tensor = self.net(batch[0]).pow(2).mean()
             self.log("loss", loss, sync_dist=True)
             return loss
 
