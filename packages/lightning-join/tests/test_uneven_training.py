@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import cases
+import pytest
 import torch
 
 from join_core.testing import run_ranks
@@ -11,35 +12,42 @@ WORLD: int = 3
 BASE, EXTRA, EPOCHS = 2, 1, 2  # rank r has BASE + r * EXTRA batches
 
 
-def _fit_uneven(rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], int, float]:
+def _fit_uneven(
+    rank: int, world_size: int, divide_by_initial_world_size: bool
+) -> tuple[dict[str, torch.Tensor], int, float]:
     cases.lightning_env(rank, world_size)
     model = cases.Regression()
-    trainer = cases.trainer(world_size, max_epochs=EPOCHS)
+    strategy = cases.strategy(divide_by_initial_world_size=divide_by_initial_world_size)
+    trainer = cases.trainer(world_size, max_epochs=EPOCHS, strategy=strategy)
     trainer.fit(model, cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return state, trainer.global_step, float(trainer.callback_metrics["train_loss_epoch"])
 
 
-def _reference() -> dict[str, torch.Tensor]:
-    """One process, the same steps: step i averages the gradients of the ranks
-    that have a batch i, divided by the world size (divide_by_initial_world_size)."""
+def _reference(divide_by_initial_world_size: bool) -> dict[str, torch.Tensor]:
+    """One process, the same steps: step i sums the gradients of the ranks
+    that have a batch i, divided by the world size (divide_by_initial_world_size)
+    or by the number of those ranks."""
     model = cases.Regression()
     optimizer = model.configure_optimizers()
     shares = [cases.regression_batches(rank, BASE + rank * EXTRA) for rank in range(WORLD)]
     for _ in range(EPOCHS):
         for step in range(max(map(len, shares))):
             optimizer.zero_grad()
-            for share in shares:
-                if step < len(share):
-                    x, y = share[step]
-                    (torch.nn.functional.mse_loss(model(x), y) / WORLD).backward()
+            active = [share[step] for share in shares if step < len(share)]
+            divisor = WORLD if divide_by_initial_world_size else len(active)
+            for x, y in active:
+                (torch.nn.functional.mse_loss(model(x), y) / divisor).backward()
             optimizer.step()
     return model.state_dict()
 
 
-def test_uneven_batches_end_with_the_single_process_model_on_every_rank() -> None:
-    results = run_ranks(_fit_uneven, WORLD, timeout=90)
-    expected = _reference()
+@pytest.mark.parametrize("divide_by_initial_world_size", [True, False])
+def test_uneven_batches_end_with_the_single_process_model_on_every_rank(
+    divide_by_initial_world_size: bool,
+) -> None:
+    results = run_ranks(_fit_uneven, WORLD, divide_by_initial_world_size, timeout=90)
+    expected = _reference(divide_by_initial_world_size)
     steps = EPOCHS * (BASE + (WORLD - 1) * EXTRA)
     for rank, (state, global_step, _) in enumerate(results):
         assert global_step == steps, f"rank {rank}"
@@ -47,3 +55,21 @@ def test_uneven_batches_end_with_the_single_process_model_on_every_rank() -> Non
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
     # The epoch's mean loss is the same on every rank (synced over every batch of every rank).
     assert len({loss for _, _, loss in results}) == 1
+
+
+def _fit_throwing(rank: int, world_size: int) -> str:
+    cases.lightning_env(rank, world_size)
+    trainer = cases.trainer(
+        world_size, max_epochs=1, strategy=cases.strategy(throw_on_early_termination=True)
+    )
+    try:
+        trainer.fit(cases.Regression(), cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_throw_on_early_termination_raises_on_every_rank() -> None:
+    messages = run_ranks(_fit_throwing, 2, timeout=90)
+    assert "Rank 0 exhausted all inputs" in messages[0]
+    assert "Detected at least one rank that exhausted inputs" in messages[1]
