@@ -109,8 +109,9 @@ class JoinDDPStrategy(DDPStrategy):
         """As Fabric's DDPStrategy's, except that a mean is over the ranks
         that contribute (and the mean of an integer tensor is a new
         floating-point tensor rather than truncated)."""
-        if is_mean(reduce_op) and dist.is_initialized():
-            return mean_over_contributors(tensor, group)
+        given: object = tensor  # Lightning passes other values through unchanged
+        if is_mean(reduce_op) and isinstance(given, Tensor) and dist.is_initialized():
+            return mean_over_contributors(given, group)
         return super().all_reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override

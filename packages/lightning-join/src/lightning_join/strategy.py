@@ -248,8 +248,9 @@ class JoinDDPStrategy(DDPStrategy):
         tensor rather than truncated (which made an epoch's ``sync_dist``
         mean wrong when the ranks' sample counts do not add up to a multiple
         of the world size)."""
-        if is_mean(reduce_op) and dist.is_initialized():
-            return mean_over_contributors(tensor, group)
+        given: object = tensor  # Lightning passes other values through unchanged
+        if is_mean(reduce_op) and isinstance(given, Tensor) and dist.is_initialized():
+            return mean_over_contributors(given, group)
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
