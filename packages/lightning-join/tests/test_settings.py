@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import cases
 import pytest
+from torch.utils.data import DataLoader
 
 from join_core.testing import run_ranks
 from lightning_join import JoinDDPStrategy
@@ -37,3 +38,22 @@ def test_strategy_arguments_it_cannot_honour_are_refused() -> None:
         JoinDDPStrategy(ddp_comm_wrapper=lambda hook: hook)
     with pytest.raises(ValueError, match=r"model_averaging_period=4\): post-local SGD"):
         JoinDDPStrategy(model_averaging_period=4)
+
+
+def _validate_tiny(rank: int, world_size: int) -> str:
+    cases.lightning_env(rank, world_size)
+    trainer = cases.trainer(world_size)
+    try:
+        trainer.validate(
+            cases.Classifier(), DataLoader(cases.classification_data(1), batch_size=1), verbose=False
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_exact_evaluation_on_fewer_samples_than_ranks_is_refused() -> None:
+    messages = run_ranks(_validate_tiny, 2, timeout=60)
+    assert all(
+        "validation dataset has 1 samples for 2 ranks, so rank 1 would have none" in m for m in messages
+    ), messages

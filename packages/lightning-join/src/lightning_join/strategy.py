@@ -228,6 +228,15 @@ class JoinDDPStrategy(DDPStrategy):
             return dataloader
         from lightning.pytorch.utilities.data import _update_dataloader
 
+        samples = len(dataloader.dataset)  # type: ignore[arg-type]
+        if samples < self.world_size:
+            what = "test" if trainer.state.stage == RunningStage.TESTING else "validation"
+            raise ValueError(
+                f"JoinDDPStrategy(exact_eval=True): the {what} dataset has {samples} "
+                f"samples for {self.world_size} ranks, so rank {self.world_size - 1} would have none, and "
+                "Lightning skips evaluation on a rank without batches while the others wait for it; "
+                "evaluate on at least as many samples as ranks"
+            )
         sampler = UnevenDistributedSampler(
             dataloader.dataset,  # type: ignore[arg-type]
             num_replicas=self.world_size,
