@@ -73,3 +73,28 @@ def test_throw_on_early_termination_raises_on_every_rank() -> None:
     messages = run_ranks(_fit_throwing, 2, timeout=90)
     assert "Rank 0 exhausted all inputs" in messages[0]
     assert "Detected at least one rank that exhausted inputs" in messages[1]
+
+
+class _FailingOnRankOne(cases.Regression):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and batch_idx == 3:  # rank 0 has joined by then
+            raise ValueError("bad batch on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_failing(rank: int, world_size: int) -> str:
+    cases.lightning_env(rank, world_size)
+    trainer = cases.trainer(world_size, max_epochs=1)
+    try:
+        trainer.fit(_FailingOnRankOne(), cases.loader(cases.regression_batches(rank, 2 + 3 * rank)))
+    except Exception as error:  # noqa: BLE001 - the test reports what each rank raised
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_rank_failing_after_another_joined_stops_every_rank_naming_it() -> None:
+    messages = run_ranks(_fit_failing, 2, timeout=90)
+    assert messages == [
+        "JoinAbortedError: Join aborted: rank 1 raised ValueError: bad batch on rank 1",
+        "ValueError: bad batch on rank 1",
+    ]
