@@ -117,7 +117,8 @@ def classification_data(count: int = 25) -> TensorDataset:
 class Classifier(pl.LightningModule):
     """Logs, on validation and test, a synced mean loss (each step and over
     the epoch), a synced sample count, and torchmetrics' accuracy and mean
-    loss, optionally synced on every step."""
+    loss; in training, torchmetrics' count of samples. torchmetrics metrics
+    are optionally synced on every step."""
 
     def __init__(self, dist_sync_on_step: bool = False) -> None:
         super().__init__()
@@ -129,12 +130,15 @@ class Classifier(pl.LightningModule):
             num_classes=CLASSES, average="micro", dist_sync_on_step=dist_sync_on_step
         )
         self.mean_loss = torchmetrics.MeanMetric(dist_sync_on_step=dist_sync_on_step)
+        self.train_samples = torchmetrics.SumMetric(dist_sync_on_step=dist_sync_on_step)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)  # type: ignore[no-any-return]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        self.train_samples(torch.tensor(float(len(x))))  # synced on every step when asked
+        self.log("train_samples", self.train_samples, on_step=False, on_epoch=True)
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
     def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], stage: str) -> None:

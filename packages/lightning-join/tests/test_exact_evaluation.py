@@ -53,6 +53,8 @@ def test_metrics_equal_single_process_values(stage: str, dist_sync_on_step: bool
     # After fit: the model every rank trained, validated at the end of its only epoch.
     model.load_state_dict(results[0][1])
     expected = _expected(model, "test" if stage == "test" else "val")
+    if stage == "fit":  # every training sample of every rank counted once, on every rank
+        expected["train_samples"] = float(sum(4 + 2 * rank for rank in range(WORLD)))
     for rank, (metrics, _) in enumerate(results):
         for key, value in expected.items():
             assert metrics[key] == pytest.approx(value, rel=1e-5), f"rank {rank}: {key}"
