@@ -15,8 +15,9 @@ strategy runs it, and put back at teardown:
   forward. An all-reduce (MAX) of the flags after each batch replaces it, so
   any rank's SIGTERM stops every rank, one batch boundary later than before
   at the most.
-- evaluation loops: ``run`` (an error leaves the Join), ``_store_dataloader_outputs`` (the end of a dataloader's
-  batches: the Join is left before the metrics are synced) and ``on_run_end``.
+- evaluation loops: ``run`` (an error leaves the Join),
+  ``_store_dataloader_outputs`` (the end of a dataloader's batches: the Join
+  is left before the metrics are synced) and ``on_run_end``.
 """
 
 from __future__ import annotations
