@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ddp_join._groups import all_gather_bytes
-from join_core import Join, JoinHook
+from join_core import Join, JoinHook, record_collectives
 
 __all__ = ["FSDPJoinable"]
 
@@ -108,6 +108,7 @@ class FSDPJoinable:
             )
         self.module = module
         self.optimizer = optimizer
+        record_collectives()  # numbered from here on every rank: hang reports and desyncs name them
         self._group: dist.ProcessGroup = mesh.get_group()
         self._device = next(p for p in module.parameters() if isinstance(p, DTensor)).to_local().device
         self._world_size = dist.get_world_size(self._group)
