@@ -7,7 +7,8 @@ same two processes (127.0.0.1, gloo, CPU), and reports medians. Writes
 bench/results.md and bench/results.png, prints the table, and exits 1 if a
 goal is missed. Also counts, with torch.profiler, the gloo collectives one
 healthy iteration issues with and without Join. The FSDP2 and ZeRO memory
-figures come from tools/bench_fsdp.py.
+figures come from tools/bench_fsdp.py, the Lightning step (JoinDDPStrategy
+against DDPStrategy) from tools/bench_lightning.py.
 
 The second round's figures are measured against limits: our DDP step over
 the same step with no communication, DDP at 4 ranks, rpc_sync against a raw
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from bench_fsdp import fsdp_figures
 from bench_hosts import two_host_figures
+from bench_lightning import lightning_figures
 from bench_recorder import recorder_figures
 from bench_rpc import ps_figures, rpc_figures
 from bench_scale import scale_figures
@@ -310,6 +312,7 @@ SECTIONS: dict[str, Callable[[int, bool], list[Figure]]] = {
     "ddp": ddp_figures,
     "fsdp": fsdp_figures,
     "overlap": round_two_ddp_figures,
+    "lightning": lightning_figures,
     "rpc": rpc_figures,
     "ps": ps_figures,
     "scale": lambda rounds, quick: scale_figures(),
@@ -344,7 +347,7 @@ def main(argv: list[str]) -> int:
         if unknown:
             parser.error(f"--only: unknown sections {unknown}; choose from {','.join(SECTIONS)}")
     else:
-        sections = ["ddp", "fsdp", "overlap"] + ([] if args.ddp_only else ["rpc", "ps"])
+        sections = ["ddp", "fsdp", "overlap", "lightning"] + ([] if args.ddp_only else ["rpc", "ps"])
         sections += (["scale"] if args.scale else []) + (["two-hosts"] if args.two_hosts else [])
     load = [_uptime()]
     figures = [f for section in sections for f in SECTIONS[section](args.rounds, args.quick)]

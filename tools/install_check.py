@@ -4,7 +4,8 @@ Each way gets a fresh virtual environment that sees nothing but torch (from
 .venvs/torch, so torch is not downloaded again) and must end with the
 package importable and ``pip check`` content:
 
-- from a checkout: ``pip install ./packages/join-core ./packages/ddp-join``
+- from a checkout: ``pip install ./packages/join-core ./packages/ddp-join``,
+  and lightning-join the same way (Lightning itself from the index)
 - from a wheelhouse: ``python3 tools/dev.py wheels`` then
   ``pip install --find-links dist/wheels tensorpipe-backend`` (here with
   ``--no-index``, so that nothing but the wheelhouse can answer)
@@ -51,6 +52,11 @@ def main() -> int:
         "ddp-join from a checkout",
         [str(ROOT / "packages" / "join-core"), str(ROOT / "packages" / "ddp-join")],
         "import ddp_join, join_core; print(ddp_join.DistributedDataParallel.__name__)",
+    )
+    ok &= attempt(
+        "lightning-join from a checkout (lightning from the index)",
+        [str(ROOT / "packages" / name) for name in ("join-core", "ddp-join", "lightning-join")],
+        "import lightning_join; print(lightning_join.JoinDDPStrategy.__name__)",
     )
     with tempfile.TemporaryDirectory() as wheelhouse:
         if dev.build_wheels(Path(sys.executable), Path(wheelhouse)) != 0:

@@ -27,7 +27,7 @@ from typing import Final, TypedDict
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 CONSUMER: Final = ROOT / "tools" / "consumer" / "typed_consumer.py"
-PACKAGES: Final = ("join_core", "ddp_join", "rpc_registry", "tensorpipe_backend")
+PACKAGES: Final = ("join_core", "ddp_join", "rpc_registry", "tensorpipe_backend", "lightning_join")
 PYRIGHT: Final = "pyright==1.1.414"
 
 

@@ -9,14 +9,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric import Fabric
 from typing_extensions import assert_type
 
 import ddp_join
 import join_core
+import lightning_join
 import rpc_registry
 from ddp_join import DistributedDataParallel, GradBucket, ZeroRedundancyOptimizer, allreduce_hook
 from join_core import CollectiveMismatchError, Join, Joinable, JoinAbortedError, JoinHook, ShadowCollectives
 from join_core.testing import RanksFailedError, run_ranks
+from lightning_join import EvaluationSteps, JoinDDPStrategy, gather_all_tensors
+from lightning_join.fabric import JoinDDPStrategy as FabricJoinDDPStrategy
+from lightning_join.fabric import join as fabric_join
 from rpc_registry import BackendType, BackendValue, RRef, WorkerInfo, backend_registered
 from rpc_registry.functions import async_execution
 from tensorpipe_backend import TensorPipeRpcBackendOptions, create_reverse_mapping, validate_device_maps
@@ -161,6 +166,26 @@ def later(x: int) -> torch.futures.Future[int]:
     future: torch.futures.Future[int] = torch.futures.Future()
     future.set_result(x)
     return future
+
+
+def lightning_strategies() -> None:
+    """Not run: the strategies' arguments and the Fabric join, typed."""
+    strategy = JoinDDPStrategy(
+        exact_eval=True,
+        throw_on_early_termination=False,
+        divide_by_initial_world_size=True,
+        find_unused_parameters=True,
+    )
+    assert_type(strategy.exact_eval, bool)
+    fabric_strategy = FabricJoinDDPStrategy(divide_by_initial_world_size=False)
+    assert_type(fabric_strategy.join(), Join)
+    with fabric_join(Fabric(strategy=fabric_strategy)):
+        pass
+    steps = EvaluationSteps()
+    with Join([steps, ShadowCollectives()]):
+        steps.step()
+        assert_type(gather_all_tensors(torch.zeros(2)), list[torch.Tensor])
+    assert_type(lightning_join.__all__, list[str])
 
 
 def main() -> None:

@@ -81,7 +81,7 @@ def test_dev_torch_pins_that_torch_in_environments_of_their_own(
     monkeypatch.delenv("PIP_CONSTRAINT", raising=False)
     constraints = Path(dev._env()["PIP_CONSTRAINT"])
     assert constraints.parent == tmp_path / "torch-2.8.0"
-    pins = [line for line in constraints.read_text().splitlines() if line.startswith("torch")]
+    pins = [line for line in constraints.read_text().splitlines() if line.split("==")[0] == "torch"]
     assert pins == ["torch==2.8.0"]
     assert dev.environments()["torch"].path == tmp_path / "torch-2.8.0" / "torch"
 

@@ -1,0 +1,59 @@
+"""Settings that cannot work with uneven batches are refused, naming the fix."""
+
+from __future__ import annotations
+
+import cases
+import pytest
+from torch.utils.data import DataLoader
+
+from join_core.testing import run_ranks
+from lightning_join import JoinDDPStrategy
+
+
+def _fit_refused(rank: int, world_size: int, setting: str) -> str:
+    cases.lightning_env(rank, world_size)
+    options = {"use_distributed_sampler": True} if setting == "sampler" else {"val_check_interval": 0.5}
+    trainer = cases.trainer(world_size, max_epochs=1, strategy=JoinDDPStrategy(), **options)
+    try:
+        trainer.fit(cases.Regression(), cases.loader(cases.regression_batches(rank, 4)))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("sampler", "JoinDDPStrategy needs Trainer(use_distributed_sampler=False)"),
+        ("interval", "Trainer(val_check_interval=0.5) validates in the middle of an epoch"),
+    ],
+)
+def test_trainer_settings_that_pad_or_validate_mid_epoch_are_refused(setting: str, named: str) -> None:
+    (message,) = run_ranks(_fit_refused, 1, setting, timeout=60)
+    assert named in message
+
+
+def test_strategy_arguments_it_cannot_honour_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"ddp_comm_wrapper=.*not supported"):
+        JoinDDPStrategy(ddp_comm_wrapper=lambda hook: hook)
+    with pytest.raises(ValueError, match=r"model_averaging_period=4\): post-local SGD"):
+        JoinDDPStrategy(model_averaging_period=4)
+
+
+def _validate_tiny(rank: int, world_size: int) -> str:
+    cases.lightning_env(rank, world_size)
+    trainer = cases.trainer(world_size)
+    try:
+        trainer.validate(
+            cases.Classifier(), DataLoader(cases.classification_data(1), batch_size=1), verbose=False
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_exact_evaluation_on_fewer_samples_than_ranks_is_refused() -> None:
+    messages = run_ranks(_validate_tiny, 2, timeout=60)
+    assert all(
+        "validation dataset has 1 samples for 2 ranks, so rank 1 would have none" in m for m in messages
+    ), messages

@@ -1,0 +1,100 @@
+"""Training with a different number of batches on each rank."""
+
+from __future__ import annotations
+
+import cases
+import pytest
+import torch
+
+from join_core.testing import run_ranks
+
+WORLD: int = 3
+BASE, EXTRA, EPOCHS = 2, 1, 2  # rank r has BASE + r * EXTRA batches
+
+
+def _fit_uneven(
+    rank: int, world_size: int, divide_by_initial_world_size: bool
+) -> tuple[dict[str, torch.Tensor], int, float]:
+    cases.lightning_env(rank, world_size)
+    model = cases.Regression()
+    strategy = cases.strategy(divide_by_initial_world_size=divide_by_initial_world_size)
+    trainer = cases.trainer(world_size, max_epochs=EPOCHS, strategy=strategy)
+    trainer.fit(model, cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state, trainer.global_step, float(trainer.callback_metrics["train_loss_epoch"])
+
+
+def _reference(divide_by_initial_world_size: bool) -> dict[str, torch.Tensor]:
+    """One process, the same steps: step i sums the gradients of the ranks
+    that have a batch i, divided by the world size (divide_by_initial_world_size)
+    or by the number of those ranks."""
+    model = cases.Regression()
+    optimizer = model.configure_optimizers()
+    shares = [cases.regression_batches(rank, BASE + rank * EXTRA) for rank in range(WORLD)]
+    for _ in range(EPOCHS):
+        for step in range(max(map(len, shares))):
+            optimizer.zero_grad()
+            active = [share[step] for share in shares if step < len(share)]
+            divisor = WORLD if divide_by_initial_world_size else len(active)
+            for x, y in active:
+                (torch.nn.functional.mse_loss(model(x), y) / divisor).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("divide_by_initial_world_size", [True, False])
+def test_uneven_batches_end_with_the_single_process_model_on_every_rank(
+    divide_by_initial_world_size: bool,
+) -> None:
+    results = run_ranks(_fit_uneven, WORLD, divide_by_initial_world_size, timeout=90)
+    expected = _reference(divide_by_initial_world_size)
+    steps = EPOCHS * (BASE + (WORLD - 1) * EXTRA)
+    for rank, (state, global_step, _) in enumerate(results):
+        assert global_step == steps, f"rank {rank}"
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
+    # The epoch's mean loss is the same on every rank (synced over every batch of every rank).
+    assert len({loss for _, _, loss in results}) == 1
+
+
+def _fit_throwing(rank: int, world_size: int) -> str:
+    cases.lightning_env(rank, world_size)
+    trainer = cases.trainer(
+        world_size, max_epochs=1, strategy=cases.strategy(throw_on_early_termination=True)
+    )
+    try:
+        trainer.fit(cases.Regression(), cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_throw_on_early_termination_raises_on_every_rank() -> None:
+    messages = run_ranks(_fit_throwing, 2, timeout=90)
+    assert "Rank 0 exhausted all inputs" in messages[0]
+    assert "Detected at least one rank that exhausted inputs" in messages[1]
+
+
+class _FailingOnRankOne(cases.Regression):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and batch_idx == 3:  # rank 0 has joined by then
+            raise ValueError("bad batch on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_failing(rank: int, world_size: int) -> str:
+    cases.lightning_env(rank, world_size)
+    trainer = cases.trainer(world_size, max_epochs=1)
+    try:
+        trainer.fit(_FailingOnRankOne(), cases.loader(cases.regression_batches(rank, 2 + 3 * rank)))
+    except Exception as error:  # noqa: BLE001 - the test reports what each rank raised
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_rank_failing_after_another_joined_stops_every_rank_naming_it() -> None:
+    messages = run_ranks(_fit_failing, 2, timeout=90)
+    assert messages == [
+        "JoinAbortedError: Join aborted: rank 1 raised ValueError: bad batch on rank 1",
+        "ValueError: bad batch on rank 1",
+    ]
