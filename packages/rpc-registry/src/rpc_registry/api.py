@@ -85,6 +85,10 @@ class _Pickler(pickle.Pickler):
         self.forks: list[tuple[WorkerInfo, _rref.RRefId, _rref.ForkId]] = []
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is torch.nn.Parameter:
+            # As torch's pickling of a Parameter: its data, detached, and whether it needs grad.
+            self.tensors.append(obj.detach())
+            return ("parameter", (len(self.tensors) - 1, obj.requires_grad))
         if isinstance(obj, torch.Tensor):
             if obj.layout == torch.sparse_coo:
                 # Agents move dense tensors: a sparse one travels as its indices and values,
@@ -128,6 +132,9 @@ class _Unpickler(pickle.Unpickler):
         kind, data = pid
         if kind == "tensor":
             return self.message.tensors[data]
+        if kind == "parameter":
+            index, requires_grad = data
+            return torch.nn.Parameter(self.message.tensors[index], requires_grad=bool(requires_grad))
         if kind == "strided":
             index, shape, stride, offset = data
             # as_strided checks that the view stays inside the storage that arrived.
