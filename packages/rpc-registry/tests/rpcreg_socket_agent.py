@@ -51,6 +51,7 @@ class SocketOptions:
 
     rpc_timeout: float = 20.0
     init_method: str = "env://"
+    rendezvous_timeout: float | None = None
 
 
 def construct_options(rpc_timeout: float, init_method: str, **kwargs: Any) -> SocketOptions:

@@ -13,6 +13,7 @@ import heapq
 import io
 import itertools
 import logging
+import math
 import pickle
 import re
 import threading
@@ -35,7 +36,7 @@ from .functions import is_async_execution
 from .grad_contexts import WITH_GRAD, GradContainer
 from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
 from .registry import _REGISTRY, BackendType, construct_rpc_backend_options, init_backend
-from .rendezvous import rendezvous_store
+from .rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, rendezvous_store
 from .rref import RRef, RRefContext, completed, copy_outcome, fail
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -763,7 +764,15 @@ def _choose_backend(backend: BackendType | None, options: RpcBackendOptions | No
 def _rendezvous(
     options: RpcBackendOptions, rank: int, world_size: int | None
 ) -> tuple[Store, int, int | None]:
-    return rendezvous_store(options.init_method, rank, world_size, options.rpc_timeout)
+    timeout = getattr(options, "rendezvous_timeout", None)
+    if timeout is None:
+        timeout = DEFAULT_RENDEZVOUS_TIMEOUT_S
+    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(
+            f"rpc_backend_options.rendezvous_timeout={timeout!r}: must be seconds > 0 (how long "
+            f"init_rpc waits for the other workers; default {DEFAULT_RENDEZVOUS_TIMEOUT_S:g})"
+        )
+    return rendezvous_store(options.init_method, rank, world_size, options.rpc_timeout, float(timeout))
 
 
 def _is_int(value: object) -> bool:
@@ -783,6 +792,12 @@ def init_rpc(
     options, to ``BackendType.TENSORPIPE`` (``pip install tensorpipe-backend``).
     ``world_size=None`` joins a dynamic group. Options default to the
     backend's with ``init_method="env://"`` (``MASTER_ADDR``, ``MASTER_PORT``).
+
+    As torch's, a worker waits for the others of a static group for the
+    rendezvous timeout, not ``rpc_timeout`` (the limit of one call): the
+    options' ``rendezvous_timeout`` seconds when they have one, else 30
+    minutes. Every few seconds of the wait a warning names the ranks still
+    missing; at the end a ``TimeoutError`` names those that never arrived.
 
     Example::
 
