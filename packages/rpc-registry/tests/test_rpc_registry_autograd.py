@@ -394,3 +394,18 @@ def test_first_sparse_gradient_is_kept_without_a_copy_as_torch_does() -> None:
         want = torch.zeros(10, 3)
         want[[1, 2, 4, 5]] = 1.0  # two passes, each a mean over bags of two
         torch.testing.assert_close(dist_autograd.get_gradients(context_id)[weight].to_dense(), want)
+
+
+def test_running_backward_names_the_context_only_inside_its_passes() -> None:
+    (x,) = _leaves(9, 1)
+    seen: list[int | None] = []
+    x.register_hook(lambda grad: seen.append(dist_autograd.running_backward()))
+    (mul_add(x, x) * x).sum().backward()
+    assert seen == [None]
+    with dist_autograd.context() as context_id:
+        assert dist_autograd.running_backward() is None
+        loss = (rpc_sync("w1", mul_add, args=(x, x)) * x).sum()
+        dist_autograd.backward(context_id, [loss])
+    # One pass here for the loss, one for the gradient coming back from w1.
+    assert seen == [None, context_id, context_id]
+    assert dist_autograd.running_backward() is None
