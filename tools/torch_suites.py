@@ -1,7 +1,9 @@
 """Run torch's own RPC test suites against rpc-registry and tensorpipe-backend.
 
 torch's wheel ships ``rpc_test.py``, ``dist_autograd_test.py`` and
-``dist_optimizer_test.py`` under ``torch/testing/_internal/distributed/rpc``.
+``dist_optimizer_test.py`` under ``torch/testing/_internal/distributed/rpc``,
+and ``ddp_under_dist_autograd_test.py`` (ddp-join's DistributedDataParallel
+under distributed autograd) beside them.
 Their tests that use only public API are a fair contract for a replacement
 of ``torch.distributed.rpc``; this script finds those (reading each test and
 the helpers it calls), runs them with torch's RPC names pointed at ours
@@ -11,7 +13,8 @@ A test is not applicable when it reaches (directly or through helpers of the
 suite) a private name of ``torch.distributed`` or ``torch._C`` (``rpc.api._*``,
 debug info, ...), TorchScript, the profiler, or CUDA on a machine without a GPU.
 
-Four worker processes (torch's world size) stay up for the whole run; every
+Four worker processes (torch's world size; six for DdpUnderDistAutogradTest)
+stay up for the whole run; every
 test runs in all four with a fresh ``file://`` rendezvous, as torch's
 ``dist_init`` sets it up. A test that fails is run once more in fresh
 processes, so state left by an earlier test cannot fail it.
@@ -53,8 +56,15 @@ SUITES: Final = {
     "rpc_test": ("RpcTest", "TensorPipeAgentRpcTest"),
     "dist_autograd_test": ("DistAutogradTest", "TensorPipeAgentDistAutogradTest"),
     "dist_optimizer_test": ("DistOptimizerTest",),
+    "ddp_under_dist_autograd_test": ("DdpUnderDistAutogradTest", "DdpComparisonTest"),
+}
+# Suites that live outside PACKAGE, by their module.
+MODULES: Final = {
+    "ddp_under_dist_autograd_test": "torch.testing._internal.distributed.ddp_under_dist_autograd_test",
 }
 WORLD_SIZE: Final = 4
+# Classes whose tests need another world size (torch's world_size property).
+WORLD_SIZES: Final = {"DdpUnderDistAutogradTest": 6}
 # Private methods of torch's RRef (the suites call them on RRef objects, not on a module).
 _PRIVATE_RREF_METHODS: Final = frozenset({"_get_type", "_get_future", "_serialize", "_set_profiling_future"})
 # The suites' harness, which sets up RPC around a test (with private names): not the test.
@@ -81,6 +91,15 @@ class Case:
     @property
     def name(self) -> str:
         return f"{self.suite}.{self.cls}.{self.method}"
+
+    @property
+    def world_size(self) -> int:
+        return WORLD_SIZES.get(self.cls, WORLD_SIZE)
+
+
+def suite_module(suite: str) -> str:
+    """The module that holds ``suite``."""
+    return MODULES.get(suite, f"{PACKAGE}.{suite}")
 
 
 # Finding the applicable tests.
@@ -188,7 +207,7 @@ def collect(suites: list[str], patterns: list[str] | None) -> list[Case]:
     torch_suites_shim.install()
     cases = []
     for suite in suites:
-        module = importlib.import_module(f"{PACKAGE}.{suite}")
+        module = importlib.import_module(suite_module(suite))
         for cls_name in SUITES[suite]:
             cls = getattr(module, cls_name)
             for method in sorted(name for name in dir(cls) if name.startswith("test_")):
@@ -210,7 +229,7 @@ def _test_class(suite: str, cls_name: str) -> type:
     known = getattr(torch_suites_shim, name, None)
     if isinstance(known, type):
         return known
-    base = getattr(importlib.import_module(f"{PACKAGE}.{suite}"), cls_name)
+    base = getattr(importlib.import_module(suite_module(suite)), cls_name)
     cls = type(name, (base, TensorPipeRpcAgentTestFixture, MultiProcessTestCase), {})
     # Some tests send their bound methods by RPC: the class must be importable by name everywhere.
     cls.__module__ = torch_suites_shim.__name__
@@ -223,6 +242,7 @@ def _run_here(rank: int, case: tuple[str, str, str], file_name: str) -> tuple[st
     import unittest
 
     import rpc_registry.api
+    import torch.distributed
 
     suite, cls_name, method = case
     try:
@@ -243,6 +263,10 @@ def _run_here(rank: int, case: tuple[str, str, str], file_name: str) -> tuple[st
             # The next test starts clean either way.
             with contextlib.suppress(Exception):
                 rpc_registry.api.shutdown(graceful=False)
+        if torch.distributed.is_initialized():
+            # A process group a test left (torch runs each test in fresh processes).
+            with contextlib.suppress(Exception):
+                torch.distributed.destroy_process_group()
 
 
 def _preload() -> None:
@@ -252,7 +276,7 @@ def _preload() -> None:
 
     torch_suites_shim.install()
     for suite in SUITES:
-        importlib.import_module(f"{PACKAGE}.{suite}")
+        importlib.import_module(suite_module(suite))
 
 
 if __name__ == "__mp_main__":  # the forkserver imports this module so: preload there
@@ -278,11 +302,12 @@ class Pool:
     rather than the half minute that four imports of torch take.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, world_size: int = WORLD_SIZE) -> None:
         ctx = multiprocessing.get_context("forkserver")
+        self.world_size = world_size
         self.conns: list[Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
-        for rank in range(WORLD_SIZE):
+        for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker, args=(rank, child), daemon=True)
             proc.start()
@@ -332,7 +357,7 @@ def _run_case(pool: Pool, case: Case, timeout: float) -> tuple[Pool, str, str]:
         status, details = pool.run(case, timeout)
     except (TimeoutError, EOFError, OSError) as exc:
         pool.close(graceful=False)
-        return Pool(), "fail", f"{type(exc).__name__}: {exc}"
+        return Pool(case.world_size), "fail", f"{type(exc).__name__}: {exc}"
     return pool, status, details
 
 
@@ -342,16 +367,19 @@ def run(cases: list[Case], timeout: float, verbose: bool) -> Iterator[tuple[Case
     The status is "pass", "skip", "fail", or "retry": failed, then passed in
     fresh processes (the details are the first failure's).
     """
-    pool = Pool()
+    pool = Pool(cases[0].world_size if cases else WORLD_SIZE)
     try:
         for case in cases:
             started = time.monotonic()
+            if pool.world_size != case.world_size:
+                pool.close()
+                pool = Pool(case.world_size)
             pool, status, details = _run_case(pool, case, timeout)
             if status == "fail":
                 # Once more in fresh processes: the first failure may be an earlier test's leftovers.
                 pool.close(graceful=False)
                 first = details
-                pool, status, details = _run_case(Pool(), case, timeout)
+                pool, status, details = _run_case(Pool(case.world_size), case, timeout)
                 if status == "pass":
                     status, details = "retry", first
             if verbose:
