@@ -14,15 +14,14 @@ from __future__ import annotations
 import importlib
 from typing import Any, Final
 
-# torch.distributed.rpc's public names that ours replace one for one. Not RpcBackendOptions:
-# ours is a Protocol with read-only properties, and the suites subclass torch's class,
-# setting init_method in __init__; init_rpc takes any object with the two attributes.
+# torch.distributed.rpc's public names that ours replace one for one.
 RPC_NAMES: Final = (
     "AllGatherStates",
     "BackendType",
     "PyRRef",
     "RRef",
     "RpcAgent",
+    "RpcBackendOptions",
     "WorkerInfo",
     "backend_registered",
     "construct_rpc_backend_options",

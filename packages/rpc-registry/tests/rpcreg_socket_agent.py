@@ -45,7 +45,7 @@ BACKEND_NAME = "SOCKET_TEST"
 _HEADER = 8
 
 
-@dataclass(frozen=True)
+@dataclass
 class SocketOptions:
     """Options of the socket backend."""
 

@@ -14,6 +14,7 @@ import torch
 from rpcreg_socket_agent import SocketOptions, Tracked, sleep_then, socket_backend
 
 from rpc_registry import (
+    RpcBackendOptions,
     RRef,
     WorkerInfo,
     backend_registered,
@@ -237,7 +238,9 @@ def test_init_rpc_without_a_store_host_fails_within_the_rendezvous_timeout() -> 
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), True, "60"])
-def test_init_rpc_rejects_a_rendezvous_timeout_that_is_not_positive_seconds(tcp: str, timeout: object) -> None:
+def test_init_rpc_rejects_a_rendezvous_timeout_that_is_not_positive_seconds(
+    tcp: str, timeout: object
+) -> None:
     options = SocketOptions(rpc_timeout=0.5, init_method=tcp, rendezvous_timeout=timeout)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"rendezvous_timeout=.*must be seconds > 0"):
         init_rpc("odd", backend=socket_backend(), rank=0, world_size=1, rpc_backend_options=options)
@@ -265,3 +268,26 @@ def test_the_store_of_a_tcp_rendezvous_listens_on_the_urls_ipv4_address_only() -
         socket.create_connection(("::1", port), timeout=5).close()
     store.set("key", "value")
     assert store.get("key") == b"value"
+
+
+class _FileOptions(RpcBackendOptions):
+    """A user's options class, shaped as torch's suites write theirs."""
+
+    def __init__(self, init_method: str) -> None:
+        RpcBackendOptions.__init__(self)
+        self.init_method = init_method
+
+
+def test_a_subclass_of_rpc_backend_options_setting_init_method_starts_rpc(tmp_path: Path) -> None:
+    options = _FileOptions(f"file://{tmp_path / 'store'}")
+    assert (options.rpc_timeout, isinstance(options, RpcBackendOptions)) == (60.0, True)
+    init_rpc("sub", backend=socket_backend(), rank=0, world_size=1, rpc_backend_options=options)
+    try:
+        assert rpc_sync("sub", torch.add, args=(torch.ones(2), 1)).tolist() == [2.0, 2.0]
+    finally:
+        shutdown(timeout=10.0)
+
+
+def test_options_of_no_backend_without_backend_say_it_cannot_be_inferred(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="Could not infer backend for options"):
+        init_rpc("foo", rank=0, world_size=1, rpc_backend_options=_FileOptions(f"file://{tmp_path / 's'}"))
