@@ -180,4 +180,6 @@ def test_ddp_rpc_example_trainers_end_with_identical_ddp_parameters(tmp_path: Pa
     torch.manual_seed(0)
     initial = torch.cat([p.detach().reshape(-1) for p in torch.nn.Linear(16, 8).parameters()])
     assert not torch.equal(first, initial), "the trainers' Linear did not train"
-    assert torch.equal(first, second), f"the trainers' DDP replicas differ by up to {(first - second).abs().max()}"
+    assert torch.equal(first, second), (
+        f"the trainers' DDP replicas differ by up to {(first - second).abs().max()}"
+    )

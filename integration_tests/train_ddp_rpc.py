@@ -108,7 +108,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     me = rank_from_env("cpu", "gloo")
     if me.world_size != 4:
-        raise SystemExit(f"train_ddp_rpc.py runs on 4 ranks (2 trainers, master, server), not {me.world_size}")
+        raise SystemExit(
+            f"train_ddp_rpc.py runs on 4 ranks (2 trainers, master, server), not {me.world_size}"
+        )
     with distributed(me):
         _group = dist.new_group(TRAINERS)  # every rank takes part in creating it
         _group_set.set()

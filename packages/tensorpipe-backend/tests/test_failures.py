@@ -74,7 +74,9 @@ def test_init_rpc_names_the_missing_worker_within_its_rendezvous_timeout_plus_a_
     init_method = f"tcp://127.0.0.1:{free_port()}"
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"rank 1 never arrived.*rendezvous_timeout \(now 3 s\)"):
-        init_rpc("w0", ensure_registered(), 0, 2, options(init_method, rpc_timeout=0.5, rendezvous_timeout=3.0))
+        init_rpc(
+            "w0", ensure_registered(), 0, 2, options(init_method, rpc_timeout=0.5, rendezvous_timeout=3.0)
+        )
     assert 3.0 <= time.monotonic() - start < 4.0
 
 

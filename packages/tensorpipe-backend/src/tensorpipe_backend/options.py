@@ -155,10 +155,9 @@ class TensorPipeRpcBackendOptions:
                 )
         if not isinstance(insecure, bool):
             raise TypeError(f"insecure={insecure!r}: must be True or False")
-        if rendezvous_timeout is not None and (
-            isinstance(rendezvous_timeout, bool)
-            or not isinstance(rendezvous_timeout, (int, float))
-            or not 0 < rendezvous_timeout < math.inf
+        given: object = rendezvous_timeout
+        if given is not None and (
+            isinstance(given, bool) or not isinstance(given, (int, float)) or not 0 < given < math.inf
         ):
             raise ValueError(
                 f"rendezvous_timeout={rendezvous_timeout!r}: must be seconds > 0, or None for torch's "
