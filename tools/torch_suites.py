@@ -24,6 +24,11 @@ Usage::
     python tools/torch_suites.py                  # all three suites
     python tools/torch_suites.py --suite dist_autograd_test -k backward
     python tools/torch_suites.py --list           # what is applicable, and why not
+    python tools/torch_suites.py --suite dist_autograd_test -k test_trainer_ps --repeat 10
+                                                  # each run in fresh processes, no retry
+
+A test that runs past its timeout has every worker's Python stacks printed
+(all threads) before the workers are stopped.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import faulthandler
 import importlib
 import inspect
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import textwrap
@@ -63,6 +70,8 @@ MODULES: Final = {
     "ddp_under_dist_autograd_test": "torch.testing._internal.distributed.ddp_under_dist_autograd_test",
 }
 WORLD_SIZE: Final = 4
+# How long the workers may take to import torch and the suites.
+STARTUP_TIMEOUT_S: Final = 300.0
 # Classes whose tests need another world size (torch's world_size property).
 WORLD_SIZES: Final = {"DdpUnderDistAutogradTest": 6}
 # Private methods of torch's RRef (the suites call them on RRef objects, not on a module).
@@ -241,8 +250,9 @@ def _run_here(rank: int, case: tuple[str, str, str], file_name: str) -> tuple[st
     """Run one test as ``rank``: ("pass" | "skip" | "fail", details)."""
     import unittest
 
-    import rpc_registry.api
     import torch.distributed
+
+    import rpc_registry.api
 
     suite, cls_name, method = case
     try:
@@ -285,7 +295,9 @@ if __name__ == "__mp_main__":  # the forkserver imports this module so: preload 
 
 def _worker(rank: int, conn: Connection) -> None:
     os.environ.setdefault("TENSORPIPE_BACKEND_QUIET", "1")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stacks of a test that hangs
     torch_suites_shim.install()
+    conn.send("ready")  # a test's time starts now, not while torch is imported
     while True:
         job = conn.recv()
         if job is None:
@@ -313,6 +325,17 @@ class Pool:
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """Wait until every worker imported what it needs (slow on a loaded machine)."""
+        if self._ready:
+            return
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(max(deadline - time.monotonic(), 0.0)) or conn.recv() != "ready":
+                raise TimeoutError(f"worker of rank {rank} did not start within {STARTUP_TIMEOUT_S:g} s")
+        self._ready = True
 
     def run(self, case: Case, timeout: float) -> tuple[str, str]:
         """The outcome of ``case`` over all ranks: a failure on any rank fails it."""
@@ -320,12 +343,14 @@ class Pool:
             file_name = handle.name
         os.unlink(file_name)
         try:
+            self.wait_ready()
             for conn in self.conns:
                 conn.send(((case.suite, case.cls, case.method), file_name))
             deadline = time.monotonic() + timeout
             outcomes = []
             for rank, conn in enumerate(self.conns):
                 if not conn.poll(max(deadline - time.monotonic(), 0.0)):
+                    self.dump_stacks()
                     raise TimeoutError(f"rank {rank} did not finish {case.name} within {timeout:g} s")
                 outcomes.append(conn.recv())
         finally:
@@ -340,6 +365,15 @@ class Pool:
             if found:
                 return status, "\n".join(found)
         return "pass", ""
+
+    def dump_stacks(self) -> None:
+        """Have every worker print the stacks of all its threads (to stderr)."""
+        print("-- stacks of the workers, rank by rank:", file=sys.stderr, flush=True)
+        for proc in self.procs:
+            if proc.pid is not None and proc.is_alive():
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, signal.SIGUSR1)
+                time.sleep(0.5)  # one rank's stacks at a time
 
     def close(self, graceful: bool = True) -> None:
         for conn, proc in zip(self.conns, self.procs):
@@ -389,6 +423,25 @@ def run(cases: list[Case], timeout: float, verbose: bool) -> Iterator[tuple[Case
         pool.close()
 
 
+def repeat(cases: list[Case], times: int, timeout: float) -> int:
+    """Run each case ``times`` times, each in fresh processes and without a retry (to
+    measure a flaky test, e.g. with copies of this script running at once); 0 if all passed."""
+    failed = 0
+    for case in cases:
+        statuses = []
+        for run_index in range(times):
+            started = time.monotonic()
+            pool, status, details = _run_case(Pool(case.world_size), case, timeout)
+            pool.close(graceful=status == "pass")
+            last = details.strip().splitlines()[-1] if details.strip() else ""
+            print(f"{status:5} {case.name} run {run_index + 1} ({time.monotonic() - started:.1f} s) {last}")
+            statuses.append(status)
+        passed = statuses.count("pass")
+        failed += times - passed - statuses.count("skip")
+        print(f"{case.name}: {passed} of {times} runs passed", flush=True)
+    return 0 if failed == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", action="append", choices=sorted(SUITES), help="default: all")
@@ -404,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         help="fail when a suite passes less than this share (default 0.95)",
     )
     parser.add_argument("--report", type=Path, help="write every failure's traceback to this file")
+    parser.add_argument(
+        "--repeat", type=int, default=0, help="run each test this many times, in fresh processes, no retry"
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     cases = collect(args.suite or sorted(SUITES), args.patterns)
@@ -413,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case.name}: {case.reason or 'applicable'}")
         print(f"{len(applicable)} of {len(cases)} tests are applicable")
         return 0
+    if args.repeat > 0:
+        return repeat(applicable, args.repeat, args.timeout)
     start = time.monotonic()
     if args.report:
         args.report.write_text("")
