@@ -73,8 +73,24 @@ def _plain_payload(obj: object) -> bytes:
     return b"\x00" + pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
 
 
+# Set while this thread pickles an RPC message (objects that refuse Python's pickler ask).
+_pickling = threading.local()
+
+
+def pickling_for_rpc() -> bool:
+    """Whether this thread is pickling an RPC message now (not a file, not ``copy``)."""
+    return bool(getattr(_pickling, "active", False))
+
+
 class _Pickler(pickle.Pickler):
     """Takes tensors out of the payload and turns RRefs into fork descriptions."""
+
+    def dump(self, obj: Any) -> None:
+        outer, _pickling.active = pickling_for_rpc(), True
+        try:
+            super().dump(obj)
+        finally:
+            _pickling.active = outer
 
     def __init__(self, file: io.BytesIO, ctx: RRefContext, dest: WorkerInfo, reply: bool = False) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
