@@ -451,6 +451,7 @@ def test_remote_module_methods_that_would_act_on_the_local_proxy_raise_value_err
         "state_dict": lambda: remote_module.state_dict(),
         "zero_grad": lambda: remote_module.zero_grad(),
         "register_buffer": lambda: remote_module.register_buffer("b", torch.ones(1)),
+        "extra_repr": lambda: remote_module.extra_repr(),
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match=f"Method ``{name}`` not supported for RemoteModule"):
@@ -472,3 +473,10 @@ def test_python_pickler_refuses_a_remote_module_that_rpc_sends() -> None:
     torch.testing.assert_close(
         rpc_sync("w2", _forward_there, args=(remote_module, x)), Stage(4, 3, seed=5)(x), rtol=1e-6, atol=0
     )
+    remote_module.note = "stays here"
+    assert "note" not in rpc_sync("w2", _attributes, args=(remote_module,))
+    assert repr(remote_module).startswith("RemoteModule(on='w3', device='cpu'")
+
+
+def _attributes(remote_module: RemoteModule) -> list[str]:
+    return list(vars(remote_module))

@@ -84,7 +84,10 @@ _UNSUPPORTED: tuple[str, ...] = (
     "requires_grad_",
     "zero_grad",
     "share_memory",
+    "extra_repr",
 )
+# What RPC sends of a RemoteModule (as torch's: attributes set later stay behind).
+_PICKLED: tuple[str, ...] = ("on", "device", "module_rref", "training")
 
 
 def _not_a_module(what: str) -> ModuleClassError:
@@ -213,15 +216,20 @@ class RemoteModule(nn.Module):
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        """Only RPC may pickle a RemoteModule (it arrives as one for the same remote module)."""
+        """Only RPC may pickle a RemoteModule: it arrives as one for the same remote module,
+        without attributes set after it was made (as torch's)."""
         if not pickling_for_rpc():
             raise RuntimeError(
                 "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"
             )
-        return dict(self.__dict__)
+        return {name: self.__dict__[name] for name in _PICKLED}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        nn.Module.__init__(self)
         self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"RemoteModule(on={self.on.name!r}, device={self.device!r}, module_rref={self.module_rref!r})"
 
 
 def _unsupported(name: str) -> Any:
