@@ -154,8 +154,9 @@ class RemoteModule(nn.Module):
         """A RemoteModule for the module that ``module_rref`` holds, which its owner created.
 
         Several RemoteModules (on any workers) may so share one remote module.
-        ``remote_device`` names the owner of ``module_rref`` and the module's
-        device there. ``_module_interface_cls`` (TorchScript) must be None.
+        Calls go to the owner of ``module_rref``; ``remote_device`` sets
+        :attr:`on` and :attr:`device`, as torch's (which does not check them).
+        ``_module_interface_cls`` (TorchScript) must be None.
 
         Example::
 
@@ -171,11 +172,6 @@ class RemoteModule(nn.Module):
             raise TypeError(f"module_rref={module_rref!r}: must be the RRef of an nn.Module")
         worker, device = _parse_remote_device(remote_device)
         on = get_worker_info(worker) if isinstance(worker, str) else _worker_by_rank(worker, remote_device)
-        if module_rref.owner() != on:
-            raise ValueError(
-                f"remote_device={remote_device!r}: module_rref is owned by {module_rref.owner().name}; "
-                f"name its owner, e.g. '{module_rref.owner().name}/{device}'"
-            )
         remote_module = RemoteModule.__new__(RemoteModule)
         nn.Module.__init__(remote_module)
         remote_module.on = on
@@ -185,15 +181,15 @@ class RemoteModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The remote module's forward on ``args`` (run on its worker)."""
-        return rpc_sync(self.on, _forward, args=(self.module_rref, args, kwargs))
+        return rpc_sync(self.module_rref.owner(), _forward, args=(self.module_rref, args, kwargs))
 
     def forward_async(self, *args: Any, **kwargs: Any) -> Future[Any]:
         """Like :meth:`forward`; the future holds the result."""
-        return rpc_async(self.on, _forward, args=(self.module_rref, args, kwargs))
+        return rpc_async(self.module_rref.owner(), _forward, args=(self.module_rref, args, kwargs))
 
     def remote_parameters(self, recurse: bool = True) -> list[RRef[nn.Parameter]]:
         """RRefs to the remote module's parameters (e.g. for ``DistributedOptimizer``)."""
-        return rpc_sync(self.on, _param_rrefs, args=(self.module_rref, recurse))
+        return rpc_sync(self.module_rref.owner(), _param_rrefs, args=(self.module_rref, recurse))
 
     def get_module_rref(self) -> RRef[nn.Module]:
         """The RRef of the module itself, owned by its worker."""
@@ -201,7 +197,7 @@ class RemoteModule(nn.Module):
 
     def train(self, mode: bool = True) -> Self:
         """Set the remote module's training mode (``module.train(mode)`` on its worker)."""
-        rpc_sync(self.on, _set_training, args=(self.module_rref, mode))
+        rpc_sync(self.module_rref.owner(), _set_training, args=(self.module_rref, mode))
         self.training = mode
         return self
 
