@@ -2,8 +2,8 @@
 
 torch's wheel ships ``rpc_test.py``, ``dist_autograd_test.py`` and
 ``dist_optimizer_test.py`` under ``torch/testing/_internal/distributed/rpc``,
-and ``ddp_under_dist_autograd_test.py`` (ddp-join's DistributedDataParallel
-under distributed autograd) beside them.
+``ddp_under_dist_autograd_test.py`` (ddp-join's DistributedDataParallel
+under distributed autograd) beside them and ``nn/api/remote_module_test.py``.
 Their tests that use only public API are a fair contract for a replacement
 of ``torch.distributed.rpc``; this script finds those (reading each test and
 the helpers it calls), runs them with torch's RPC names pointed at ours
@@ -13,7 +13,7 @@ A test is not applicable when it reaches (directly or through helpers of the
 suite) a private name of ``torch.distributed`` or ``torch._C`` (``rpc.api._*``,
 debug info, ...), TorchScript, the profiler, or CUDA on a machine without a GPU.
 
-Four worker processes (torch's world size; six for DdpUnderDistAutogradTest)
+Worker processes, as many as the test class's world size (four for most),
 stay up for the whole run; every
 test runs in all four with a fresh ``file://`` rendezvous, as torch's
 ``dist_init`` sets it up. A test that fails is run once more in fresh
@@ -64,20 +64,26 @@ SUITES: Final = {
     "dist_autograd_test": ("DistAutogradTest", "TensorPipeAgentDistAutogradTest"),
     "dist_optimizer_test": ("DistOptimizerTest",),
     "ddp_under_dist_autograd_test": ("DdpUnderDistAutogradTest", "DdpComparisonTest"),
+    "remote_module_test": ("RemoteModuleTest", "ThreeWorkersRemoteModuleTest"),
 }
 # Suites that live outside PACKAGE, by their module.
 MODULES: Final = {
     "ddp_under_dist_autograd_test": "torch.testing._internal.distributed.ddp_under_dist_autograd_test",
+    "remote_module_test": "torch.testing._internal.distributed.nn.api.remote_module_test",
 }
 WORLD_SIZE: Final = 4
 # How long the workers may take to import torch and the suites.
 STARTUP_TIMEOUT_S: Final = 300.0
-# Classes whose tests need another world size (torch's world_size property).
-WORLD_SIZES: Final = {"DdpUnderDistAutogradTest": 6}
 # Private methods of torch's RRef (the suites call them on RRef objects, not on a module).
 _PRIVATE_RREF_METHODS: Final = frozenset({"_get_type", "_get_future", "_serialize", "_set_profiling_future"})
 # The suites' harness, which sets up RPC around a test (with private names): not the test.
 _HARNESS: Final = frozenset({"dist_init"})
+# remote_module_test's helper builds a TorchScript RemoteModule only for the modes a test asks
+# for; a test that asks for MODULE_CTOR alone never reaches that branch.
+_MODULE_CTOR_ONLY: Final = "modes=[ModuleCreationMode.MODULE_CTOR]"
+_SCRIPTED_MODE: Final = "MODULE_CTOR_WITH_INTERFACE"
+# Tests that name .cuda() only to check that RemoteModule refuses it (no GPU is used).
+_CUDA_ONLY_REFUSED: Final = frozenset({"test_unsupported_methods"})
 # Not public API, though not named with an underscore.
 _INTERNAL_MODULES: Final = ("torch.distributed.rpc.internal",)
 _PRIVATE_HOMES: Final = (
@@ -96,14 +102,11 @@ class Case:
     cls: str
     method: str
     reason: str | None
+    world_size: int = WORLD_SIZE  # the class's world_size property
 
     @property
     def name(self) -> str:
         return f"{self.suite}.{self.cls}.{self.method}"
-
-    @property
-    def world_size(self) -> int:
-        return WORLD_SIZES.get(self.cls, WORLD_SIZE)
 
 
 def suite_module(suite: str) -> str:
@@ -117,6 +120,25 @@ def _source_tree(fn: Callable[..., Any]) -> ast.AST | None:
         return ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
         return None
+
+
+_IMPORTS: dict[str, dict[str, str]] = {}
+
+
+def _imported_from(module_name: str, name: str) -> str:
+    """The module that ``module_name`` imports ``name`` from ("" when it does not)."""
+    if module_name not in _IMPORTS:
+        found: dict[str, str] = {}
+        module = sys.modules.get(module_name)
+        tree = None
+        with contextlib.suppress(OSError, TypeError, SyntaxError):
+            tree = ast.parse(inspect.getsource(module)) if module is not None else None
+        for node in ast.walk(tree) if tree is not None else ():
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    found[alias.asname or alias.name] = node.module
+        _IMPORTS[module_name] = found
+    return _IMPORTS[module_name].get(name, "")
 
 
 def _private_home(value: object) -> bool:
@@ -134,7 +156,8 @@ def _reason(cls: type, fn: Callable[..., Any], seen: set[object]) -> str | None:
     if tree is None:
         return None
     source = ast.unparse(tree)
-    if "cuda" in source.lower() and not torch_cuda_available():
+    ctor_only = _MODULE_CTOR_ONLY in source and _SCRIPTED_MODE not in source
+    if "cuda" in source.lower() and not torch_cuda_available() and fn.__name__ not in _CUDA_ONLY_REFUSED:
         return "CUDA (no GPU here)"
     if "torch.jit" in source or "jit.script" in source:
         return "TorchScript"
@@ -167,6 +190,8 @@ def _reason(cls: type, fn: Callable[..., Any], seen: set[object]) -> str | None:
             attr = node.attr
             if isinstance(base, ast.Name) and base.id == "self":
                 helper = getattr(cls, attr, None)
+                if ctor_only and attr == "_create_remote_module_iter":
+                    continue
                 if inspect.isfunction(helper) or inspect.ismethod(helper):
                     found = _reason(cls, helper, seen)
                     if found:
@@ -188,8 +213,10 @@ def _reason(cls: type, fn: Callable[..., Any], seen: set[object]) -> str | None:
             value = names[node.id]
             if isinstance(value, (torch_jit_types())):
                 return f"TorchScript ({node.id})"
-            if node.id.startswith("_") and not node.id.startswith("__") and _private_home(value):
-                return f"private name {node.id}"
+            if node.id.startswith("_") and not node.id.startswith("__"):
+                home = _imported_from(getattr(fn, "__module__", "") or "", node.id)
+                if _private_home(value) or home.startswith(_PRIVATE_HOMES):
+                    return f"private name {node.id}"
             if node.id in _HARNESS:
                 continue
             if inspect.isfunction(value) and value.__module__.startswith("torch.testing._internal"):
@@ -211,6 +238,17 @@ def torch_jit_types() -> tuple[type, ...]:
     return (torch.jit.ScriptFunction, torch.jit.ScriptModule)
 
 
+def _world_size(cls: type) -> int:
+    """The world size a test class asks for (its ``world_size`` property returns a constant)."""
+    prop = inspect.getattr_static(cls, "world_size", None)
+    if isinstance(prop, property) and prop.fget is not None:
+        with contextlib.suppress(Exception):
+            size = prop.fget(None)
+            if isinstance(size, int) and size > 0:
+                return size
+    return WORLD_SIZE
+
+
 def collect(suites: list[str], patterns: list[str] | None) -> list[Case]:
     """The tests of ``suites`` (their names containing one of ``patterns``), each with its applicability."""
     torch_suites_shim.install()
@@ -223,7 +261,7 @@ def collect(suites: list[str], patterns: list[str] | None) -> list[Case]:
                 if patterns and not any(pattern in method for pattern in patterns):
                     continue
                 fn = getattr(cls, method)
-                cases.append(Case(suite, cls_name, method, _reason(cls, fn, set())))
+                cases.append(Case(suite, cls_name, method, _reason(cls, fn, set()), _world_size(cls)))
     return cases
 
 
