@@ -3,6 +3,7 @@ tensorpipe-backend, each on 2 to 4 local ranks started by launch.py."""
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 
@@ -170,3 +171,15 @@ def test_parameter_server_with_distributed_autograd_matches_single_process_refer
     torch.testing.assert_close(trainers[0]["dense"], dense, rtol=1e-5, atol=1e-6)
     longest = trainers[-1]["losses"]
     assert longest[-1] < longest[0], f"loss did not fall: {longest}"
+
+
+def test_ddp_rpc_example_trainers_end_with_identical_ddp_parameters(tmp_path: Path) -> None:
+    _run("train_ddp_rpc.py", 4, ["--result-dir", str(tmp_path)])
+    with open(tmp_path / "rank2.pkl", "rb") as f:
+        first, second = pickle.load(f)["trainers"]
+    torch.manual_seed(0)
+    initial = torch.cat([p.detach().reshape(-1) for p in torch.nn.Linear(16, 8).parameters()])
+    assert not torch.equal(first, initial), "the trainers' Linear did not train"
+    assert torch.equal(first, second), (
+        f"the trainers' DDP replicas differ by up to {(first - second).abs().max()}"
+    )

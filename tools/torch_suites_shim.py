@@ -2,7 +2,8 @@
 
 ``install()`` replaces the public names of ``torch.distributed.rpc``,
 ``torch.distributed.autograd``, ``torch.distributed.optim`` and
-``torch.distributed.nn`` with ours, in this process only; torch's private
+``torch.distributed.nn`` with ours, and ``torch.nn.parallel``'s
+``DistributedDataParallel`` with ddp-join's, in this process only; torch's private
 names stay torch's (tests that use them are not counted as applicable, see
 ``torch_suites.py``). Call it before importing a test module: the modules
 bind names at import.
@@ -13,15 +14,14 @@ from __future__ import annotations
 import importlib
 from typing import Any, Final
 
-# torch.distributed.rpc's public names that ours replace one for one. Not RpcBackendOptions:
-# ours is a Protocol with read-only properties, and the suites subclass torch's class,
-# setting init_method in __init__; init_rpc takes any object with the two attributes.
+# torch.distributed.rpc's public names that ours replace one for one.
 RPC_NAMES: Final = (
     "AllGatherStates",
     "BackendType",
     "PyRRef",
     "RRef",
     "RpcAgent",
+    "RpcBackendOptions",
     "WorkerInfo",
     "backend_registered",
     "construct_rpc_backend_options",
@@ -47,6 +47,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    import ddp_join
     import rpc_registry
     import rpc_registry.autograd
     import rpc_registry.nn
@@ -77,4 +78,6 @@ def install() -> None:
     optim.DistributedOptimizer = rpc_registry.optim.DistributedOptimizer
     torch_nn: Any = importlib.import_module("torch.distributed.nn")
     torch_nn.RemoteModule = rpc_registry.nn.RemoteModule
+    parallel: Any = importlib.import_module("torch.nn.parallel")
+    parallel.DistributedDataParallel = ddp_join.DistributedDataParallel
     _installed = True

@@ -45,12 +45,13 @@ BACKEND_NAME = "SOCKET_TEST"
 _HEADER = 8
 
 
-@dataclass(frozen=True)
+@dataclass
 class SocketOptions:
     """Options of the socket backend."""
 
     rpc_timeout: float = 20.0
     init_method: str = "env://"
+    rendezvous_timeout: float | None = None
 
 
 def construct_options(rpc_timeout: float, init_method: str, **kwargs: Any) -> SocketOptions:

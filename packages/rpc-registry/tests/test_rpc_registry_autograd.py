@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -394,3 +395,89 @@ def test_first_sparse_gradient_is_kept_without_a_copy_as_torch_does() -> None:
         want = torch.zeros(10, 3)
         want[[1, 2, 4, 5]] = 1.0  # two passes, each a mean over bags of two
         torch.testing.assert_close(dist_autograd.get_gradients(context_id)[weight].to_dense(), want)
+
+
+def test_running_backward_names_the_context_only_inside_its_passes() -> None:
+    (x,) = _leaves(9, 1)
+    seen: list[int | None] = []
+    x.register_hook(lambda grad: seen.append(dist_autograd.running_backward()))
+    (mul_add(x, x) * x).sum().backward()
+    assert seen == [None]
+    with dist_autograd.context() as context_id:
+        assert dist_autograd.running_backward() is None
+        loss = (rpc_sync("w1", mul_add, args=(x, x)) * x).sum()
+        dist_autograd.backward(context_id, [loss])
+    # One pass here for the loss, one for the gradient coming back from w1.
+    assert seen == [None, context_id, context_id]
+    assert dist_autograd.running_backward() is None
+
+
+def _training_of(module: RRef[torch.nn.Module]) -> bool:
+    return module.local_value().training
+
+
+def _forward_there(remote_module: RemoteModule, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = remote_module(x)
+    return out
+
+
+def test_remote_module_from_a_module_rref_shares_the_remote_module() -> None:
+    first = RemoteModule("w3/cpu", Stage, args=(4, 3), kwargs={"seed": 5})
+    second = RemoteModule.init_from_module_rref("w3/cpu", first.get_module_rref())
+    (x,) = _leaves(10, 1)
+    assert second.get_module_rref() is first.get_module_rref()
+    torch.testing.assert_close(second(x), Stage(4, 3, seed=5)(x), rtol=1e-6, atol=0)
+    # Made on another worker, naming that one (as torch's suite does): calls still go to the owner.
+    third = rpc_sync("w1", RemoteModule.init_from_module_rref, args=("w1/cpu", first.get_module_rref()))
+    torch.testing.assert_close(third(x), Stage(4, 3, seed=5)(x), rtol=1e-6, atol=0)
+
+
+def test_remote_module_train_and_eval_set_the_remote_modules_mode() -> None:
+    remote_module = RemoteModule("w2/cpu", Stage, args=(4, 3), kwargs={"seed": 5})
+    assert remote_module.eval() is remote_module
+    assert rpc_sync("w2", _training_of, args=(remote_module.get_module_rref(),)) is False
+    remote_module.train()
+    assert rpc_sync("w2", _training_of, args=(remote_module.get_module_rref(),)) is True
+
+
+def test_remote_module_methods_that_would_act_on_the_local_proxy_raise_value_error() -> None:
+    remote_module = RemoteModule("w1/cpu", Stage, args=(4, 3), kwargs={"seed": 5})
+    with pytest.raises(ValueError, match=r"Method ``parameters`` not supported .* use ``remote_parameters``"):
+        remote_module.parameters()
+    calls: dict[str, Callable[[], object]] = {
+        "named_parameters": lambda: remote_module.named_parameters(),
+        "buffers": lambda: remote_module.buffers(),
+        "to": lambda: remote_module.to("cpu"),
+        "cuda": lambda: remote_module.cuda(),
+        "state_dict": lambda: remote_module.state_dict(),
+        "zero_grad": lambda: remote_module.zero_grad(),
+        "register_buffer": lambda: remote_module.register_buffer("b", torch.ones(1)),
+        "extra_repr": lambda: remote_module.extra_repr(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=f"Method ``{name}`` not supported for RemoteModule"):
+            call()
+
+
+def test_remote_module_of_a_class_that_is_not_a_module_raises_torchs_value_error() -> None:
+    with pytest.raises(
+        ValueError, match=r"Expect `module_cls\(\*args, \*\*kwargs\)` returns an instance of <class"
+    ):
+        RemoteModule("w1/cpu", dict, args=())  # type: ignore[arg-type]
+
+
+def test_python_pickler_refuses_a_remote_module_that_rpc_sends() -> None:
+    remote_module = RemoteModule("w3/cpu", Stage, args=(4, 3), kwargs={"seed": 5})
+    with pytest.raises(RuntimeError, match="Cannot pickle RemoteModule in python pickler"):
+        pickle.dumps(remote_module)
+    (x,) = _leaves(11, 1)
+    torch.testing.assert_close(
+        rpc_sync("w2", _forward_there, args=(remote_module, x)), Stage(4, 3, seed=5)(x), rtol=1e-6, atol=0
+    )
+    setattr(remote_module, "note", "stays here")  # noqa: B010 - an attribute nn.Module does not type
+    assert "note" not in rpc_sync("w2", _attributes, args=(remote_module,))
+    assert repr(remote_module).startswith("RemoteModule(on='w3', device='cpu'")
+
+
+def _attributes(remote_module: RemoteModule) -> list[str]:
+    return list(vars(remote_module))

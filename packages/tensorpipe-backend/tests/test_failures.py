@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,11 +16,13 @@ from tpb_workers import (
     kill_scenario_caller,
     options,
     serve,
+    serve_late,
     serve_until,
     spawned,
 )
 
-from rpc_registry import init_rpc, shutdown
+import rpc_registry.rendezvous
+from rpc_registry import init_rpc, rpc_sync, shutdown
 from tensorpipe_backend import ensure_registered
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,8 +70,32 @@ def test_non_graceful_shutdown_is_local_and_fast() -> None:
     assert time.monotonic() - start < 2.0
 
 
-def test_init_rpc_names_the_missing_worker_within_rpc_timeout() -> None:
+def test_init_rpc_names_the_missing_worker_within_its_rendezvous_timeout_plus_a_second() -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match="rank 1 never arrived"):
-        init_rpc("w0", ensure_registered(), 0, 2, options(f"tcp://127.0.0.1:{free_port()}", rpc_timeout=3.0))
-    assert time.monotonic() - start < 8.0
+    with pytest.raises(TimeoutError, match=r"rank 1 never arrived.*rendezvous_timeout \(now 3 s\)"):
+        init_rpc(
+            "w0", ensure_registered(), 0, 2, options(init_method, rpc_timeout=0.5, rendezvous_timeout=3.0)
+        )
+    assert 3.0 <= time.monotonic() - start < 4.0
+
+
+def test_a_late_worker_is_waited_for_beyond_rpc_timeout_and_named_meanwhile(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As torch's init_rpc: rpc_timeout limits calls, not the wait for the group."""
+    monkeypatch.setattr(rpc_registry.rendezvous, "PROGRESS_S", 1.0)
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    with spawned([(serve_late, ("late", 1, 2, init_method, 3.0, 0.5))]) as workers:
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="rpc_registry.rendezvous"):
+            init_rpc("w0", ensure_registered(), 0, 2, options(init_method, rpc_timeout=0.5))
+        waited = time.monotonic() - start
+        try:
+            assert rpc_sync("late", sum, args=([1, 2],)) == 3
+        finally:
+            shutdown(graceful=True, timeout=30.0)
+    assert waited >= 2.0, f"init_rpc returned after {waited:.1f} s, before the late worker started"
+    notes = [r.getMessage() for r in caplog.records if "waiting for rank 1" in r.getMessage()]
+    assert notes, "no warning named the rank being waited for"
+    assert [w.exitcode for w in workers] == [0]

@@ -109,6 +109,15 @@ def test_tensor_dtype_shape_grad_and_layout_survive_the_trip() -> None:
         assert torch.equal(rpc_sync("w2", torch.clone, args=(tensor,)), tensor)
 
 
+def test_a_parameter_arrives_as_a_parameter_as_with_torchs_agent() -> None:
+    module = rpc_sync("w1", torch.nn.Linear, args=(3, 2))
+    assert type(module.weight) is torch.nn.Parameter and module.weight.requires_grad
+    torch.nn.Linear(3, 2).weight = module.weight  # what a module takes only from a Parameter
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    assert rpc_sync("w2", type, args=(frozen,)) is torch.nn.Parameter
+    assert rpc_sync("w2", describe, args=(frozen,))[3] is False
+
+
 def test_large_tensor_arrives_intact() -> None:
     big = torch.randn(4_000_000)
     assert torch.equal(rpc_sync("w1", torch.neg, args=(big,)), -big)

@@ -141,6 +141,15 @@ def forward_kept_when(
     shutdown(graceful=True, timeout=60.0)
 
 
+def serve_late(
+    name: str, rank: int, world_size: int, init_method: str, delay: float, rpc_timeout: float
+) -> None:
+    """:func:`serve`, starting ``delay`` seconds late, with a short call timeout."""
+    time.sleep(delay)
+    init_rpc(name, backend(), rank, world_size, options(init_method, rpc_timeout=rpc_timeout))
+    shutdown(graceful=True, timeout=60.0)
+
+
 def serve_until(name: str, rank: int, world_size: int, init_method: str, done: Any) -> None:
     """Serve until ``done`` (an Event) is set, then stop without waiting for the others."""
     init_rpc(name, backend(), rank, world_size, options(init_method))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from ddp_join._dist_autograd import distributed_backward_running
 from ddp_join._groups import global_rank, resolve_group
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook
 from join_core import DEFAULT_HANG_TIMEOUT, DEFAULT_LIVENESS_TIMEOUT, Join, JoinHook, record_collectives
@@ -141,6 +142,15 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     every rank takes the model of the last rank to join. A healthy iteration
     issues no collective beyond the buckets: the count of ranks still
     training rides in the first bucket.
+
+    Under rpc-registry's distributed autograd (``dist_autograd.backward``
+    inside ``dist_autograd.context()``), the gradients of the context are
+    the ones averaged, as torch's: ``dist_autograd.get_gradients`` returns
+    the averages and ``.grad`` is left alone. Gradients that reach this
+    rank in later passes of the same backward (through RPC) wait for
+    each other; the reduction ends in the pass that brings the last one.
+    Sparse gradients (``Embedding(sparse=True)``) are reduced dense, and
+    ``.grad`` is then dense.
 
     The arguments are torch's, in torch's order, with torch's defaults.
 
@@ -321,7 +331,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self._hook_handles = [
             param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
             for index, param in enumerate(self._params)
-        ]
+        ] + [param.register_hook(self._make_capture_hook(index)) for index, param in enumerate(self._params)]
         self._reset_iteration()
 
     # Construction.
@@ -405,6 +415,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         tell the Join context and broadcast buffers."""
         syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
         if syncing:
+            self._check_prior_reduction()
             Join.notify_join_context(self)
             self._reset_iteration()
             self._open = True
@@ -565,6 +576,10 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self._unused_now: list[int] = []  # find_unused_parameters: not reached by this forward
         self._hook_counts = [0] * len(self._params)  # static_graph: accumulations this backward
         self._backward_started = False
+        # A distributed autograd backward: the gradients it computes for its
+        # context, by parameter index (filled with the averages at the end).
+        self._distributed = False
+        self._captured: dict[int, torch.Tensor] = {}
         for bucket in self._buckets:
             bucket.pending = len(bucket.params)
             bucket.ready = [False] * len(bucket.params)
@@ -586,12 +601,58 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
 
         return hook
 
+    def _make_capture_hook(self, index: int) -> Any:
+        param = self._params[index]
+
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            if not self._open or not distributed_backward_running():
+                return None  # a local backward: the post-accumulate hook takes it
+            self._start_backward()
+            if not self._callback_queued:  # a later pass of the same distributed backward
+                self._callback_queued = True
+                Variable._execution_engine.queue_callback(self._finish_backward)
+            if index in self._captured:
+                raise RuntimeError(
+                    f"DistributedDataParallel: parameter {index} (shape {tuple(param.shape)}) got a "
+                    "second gradient in one distributed backward; a parameter's gradient may reach "
+                    "DDP in one pass only (it is already being reduced)"
+                )
+            # The context keeps this tensor; the average is written into it at the end.
+            dense = torch.empty_like(param, memory_format=torch.preserve_format)
+            if grad.layout == torch.strided:
+                dense.copy_(grad)
+                mine = dense
+            else:
+                # Reduced dense, kept in the layout autograd expects: every row present.
+                dense.copy_(grad.to_dense())
+                rows = torch.arange(param.shape[0], device=param.device).unsqueeze(0)
+                mine = torch.sparse_coo_tensor(rows, dense, param.shape, is_coalesced=True)
+                dense = mine._values()
+            self._captured[index] = dense
+            self._grad_ready(index, dense)
+            return mine
+
+        return hook
+
+    def _check_prior_reduction(self) -> None:
+        """Raise torch's error when a distributed backward left parameters unreduced."""
+        if not (self._open and self._distributed and self._backward_started):
+            return
+        missing = [index for index in range(len(self._params)) if index not in self._captured]
+        self._reset_iteration()
+        raise RuntimeError(
+            "Expected to have finished reduction in the prior iteration before starting a new one: "
+            f"the last distributed autograd backward gave no gradient to parameters {missing}. "
+            "Pass find_unused_parameters=True when a forward does not use every parameter"
+        )
+
     def _start_backward(self, _: object = None) -> None:
         """First gradient of a syncing backward: schedule the end, and count
         parameters this forward did not reach as ready."""
         if self._backward_started or not self._open:
             return
         self._backward_started = True
+        self._distributed = distributed_backward_running()
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
@@ -606,11 +667,13 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         param = bucket.params[position]
         if grad is None:
             grad = param.grad  # no gradient this backward: what no_sync accumulated, if anything
+        if grad is not None and grad.layout != torch.strided:
+            grad = grad.to_dense()  # a sparse gradient (e.g. Embedding(sparse=True)) is reduced dense
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
-            if bucket.as_view:
+            if bucket.as_view and not self._distributed:
                 param.grad = view
         bucket.ready[position] = True
         bucket.pending -= 1
@@ -675,7 +738,12 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
 
     def _finish_backward(self) -> None:
         """End of backward: reduce what is left, wait, and write the averaged
-        gradients to ``.grad``; then hand Join the heartbeat."""
+        gradients to ``.grad`` (or the distributed autograd context's); then
+        hand Join the heartbeat."""
+        if self._distributed and any(bucket.pending for bucket in self._buckets):
+            # Gradients still to come in later passes of this distributed backward.
+            self._callback_queued = False
+            return
         if self.static_graph and self._static_counts is None:
             self._static_counts = list(self._hook_counts)
             self._used = [count > 0 for count in self._hook_counts]
@@ -717,11 +785,15 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 if scale != 1:
                     bucket.grads.div_(scale)
             for position, param in enumerate(bucket.params):
-                if used is not None and not used[self._param_index[id(param)]]:
+                index = self._param_index[id(param)]
+                if used is not None and not used[index]:
                     # No rank used it: .grad stays as it was, except on a joined
                     # rank, where an old value must not reach the optimizer.
                     if shadow:
                         param.grad = None
+                    continue
+                if self._distributed:
+                    self._write_captured(index, bucket, position, grads, scale, builtin)
                     continue
                 if bucket.as_view:
                     param.grad = bucket.views[position]
@@ -731,7 +803,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 else:
                     offset = bucket.offsets[position]
                     reduced = grads[offset : offset + param.numel()].view_as(param)
-                if param.grad is None:
+                if param.grad is None or param.grad.layout != torch.strided:
                     param.grad = (reduced / scale).to(param.dtype)  # cast back from a reduce_dtype
                 else:
                     torch.div(reduced, scale, out=param.grad)
@@ -741,6 +813,24 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                     self._buffer_src = rank
                     break
         return meta[0] if self._rides(first) else None
+
+    def _write_captured(
+        self, index: int, bucket: _Bucket, position: int, grads: torch.Tensor, scale: int, builtin: bool
+    ) -> None:
+        """Put parameter ``index``'s average into the gradient its distributed
+        autograd context keeps (``.grad`` is left alone, as torch's)."""
+        target = self._captured.get(index)
+        if target is None:
+            return  # reached by no pass here (find_unused_parameters): the context has none
+        if bucket.as_view or builtin:
+            reduced = bucket.views[position]
+        else:
+            offset = bucket.offsets[position]
+            reduced = grads[offset : offset + target.numel()].view_as(target)
+        if bucket.as_view:
+            target.copy_(reduced)  # already divided in the bucket
+        else:
+            torch.div(reduced, scale, out=target)
 
     def _find_unused(self, output: Any, syncing: bool) -> None:
         """Note which parameters the autograd graph of ``output`` reaches.

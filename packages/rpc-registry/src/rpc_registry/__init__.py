@@ -33,7 +33,7 @@ from .constants import (
     ENTRY_POINT_GROUP,
     UNSET_RPC_TIMEOUT,
 )
-from .errors import OperatorSchemaError, WorkerNameError, WorkerRefTypeError
+from .errors import ModuleClassError, OperatorSchemaError, WorkerNameError, WorkerRefTypeError
 from .exports import backend_export
 from .protocols import (
     BackendPlugin,
@@ -99,6 +99,7 @@ __all__ = [
     "ConstructRpcBackendOptionsHandler",
     "InitBackendHandler",
     "Message",
+    "ModuleClassError",
     "OperatorSchemaError",
     "RRef",
     "RequestHandler",

@@ -13,6 +13,7 @@ import heapq
 import io
 import itertools
 import logging
+import math
 import pickle
 import re
 import threading
@@ -36,7 +37,7 @@ from .functions import is_async_execution
 from .grad_contexts import WITH_GRAD, GradContainer
 from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
 from .registry import _REGISTRY, BackendType, construct_rpc_backend_options, init_backend
-from .rendezvous import rendezvous_store
+from .rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, rendezvous_store
 from .rref import RRef, RRefContext, completed, copy_outcome, fail
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -73,8 +74,24 @@ def _plain_payload(obj: object) -> bytes:
     return b"\x00" + pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
 
 
+# Set while this thread pickles an RPC message (objects that refuse Python's pickler ask).
+_pickling = threading.local()
+
+
+def pickling_for_rpc() -> bool:
+    """Whether this thread is pickling an RPC message now (not a file, not ``copy``)."""
+    return bool(getattr(_pickling, "active", False))
+
+
 class _Pickler(pickle.Pickler):
     """Takes tensors out of the payload and turns RRefs into fork descriptions."""
+
+    def dump(self, obj: Any) -> None:
+        outer, _pickling.active = pickling_for_rpc(), True
+        try:
+            super().dump(obj)
+        finally:
+            _pickling.active = outer
 
     def __init__(self, file: io.BytesIO, ctx: RRefContext, dest: WorkerInfo, reply: bool = False) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -86,6 +103,10 @@ class _Pickler(pickle.Pickler):
         self.forks: list[tuple[WorkerInfo, _rref.RRefId, _rref.ForkId]] = []
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is torch.nn.Parameter:
+            # As torch's pickling of a Parameter: its data, detached, and whether it needs grad.
+            self.tensors.append(obj.detach())
+            return ("parameter", (len(self.tensors) - 1, obj.requires_grad))
         if isinstance(obj, torch.Tensor):
             if obj.layout == torch.sparse_coo:
                 # Agents move dense tensors: a sparse one travels as its indices and values,
@@ -129,6 +150,9 @@ class _Unpickler(pickle.Unpickler):
         kind, data = pid
         if kind == "tensor":
             return self.message.tensors[data]
+        if kind == "parameter":
+            index, requires_grad = data
+            return torch.nn.Parameter(self.message.tensors[index], requires_grad=bool(requires_grad))
         if kind == "strided":
             index, shape, stride, offset = data
             # as_strided checks that the view stays inside the storage that arrived.
@@ -772,7 +796,15 @@ def _choose_backend(backend: BackendType | None, options: RpcBackendOptions | No
 def _rendezvous(
     options: RpcBackendOptions, rank: int, world_size: int | None
 ) -> tuple[Store, int, int | None]:
-    return rendezvous_store(options.init_method, rank, world_size, options.rpc_timeout)
+    timeout = getattr(options, "rendezvous_timeout", None)
+    if timeout is None:
+        timeout = DEFAULT_RENDEZVOUS_TIMEOUT_S
+    elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(
+            f"rpc_backend_options.rendezvous_timeout={timeout!r}: must be seconds > 0 (how long "
+            f"init_rpc waits for the other workers; default {DEFAULT_RENDEZVOUS_TIMEOUT_S:g})"
+        )
+    return rendezvous_store(options.init_method, rank, world_size, options.rpc_timeout, float(timeout))
 
 
 def _is_int(value: object) -> bool:
@@ -792,6 +824,12 @@ def init_rpc(
     options, to ``BackendType.TENSORPIPE`` (``pip install tensorpipe-backend``).
     ``world_size=None`` joins a dynamic group. Options default to the
     backend's with ``init_method="env://"`` (``MASTER_ADDR``, ``MASTER_PORT``).
+
+    As torch's, a worker waits for the others of a static group for the
+    rendezvous timeout, not ``rpc_timeout`` (the limit of one call): the
+    options' ``rendezvous_timeout`` seconds when they have one, else 30
+    minutes. Every few seconds of the wait a warning names the ranks still
+    missing; at the end a ``TimeoutError`` names those that never arrived.
 
     Example::
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 from types import TracebackType
 from typing import Any
 
@@ -36,7 +37,10 @@ from .rref import completed, fail
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-__all__ = ["backward", "context", "get_gradients", "is_available"]
+__all__ = ["backward", "context", "get_gradients", "is_available", "running_backward"]
+
+# The context whose backward pass this thread runs, while it runs it.
+_running = threading.local()
 
 
 def is_available() -> bool:
@@ -111,6 +115,21 @@ def _release_here(context_id: int) -> Future[None]:
     return done
 
 
+def running_backward() -> int | None:
+    """The id of the context whose distributed backward pass runs on this thread, or None.
+
+    True inside the autograd hooks of a pass of :func:`backward` on this
+    worker (the first, or one that gradients arriving by RPC start). Such a
+    pass computes gradients for the context, not into ``.grad``, and the
+    hooks of ``AccumulateGrad`` nodes do not run: a module that reduces
+    gradients during backward (ddp_join's ``DistributedDataParallel``)
+    asks this to reduce the context's gradients instead. Hooks on CPU
+    tensors run on this thread; hooks on accelerator tensors may not.
+    """
+    context_id: int | None = getattr(_running, "context_id", None)
+    return context_id
+
+
 def _check_context_id(context_id: object) -> int:
     if not isinstance(context_id, int) or isinstance(context_id, bool):
         raise TypeError(
@@ -135,6 +154,13 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     torch's signature; graphs are kept until the context ends, so backward
     may run more than once in one context. An error on another worker is
     raised here, with that worker's traceback in its notes.
+
+    A hook on a leaf tensor (``Tensor.register_hook``) sees the leaf's
+    gradient in each pass and may return a replacement. The context keeps
+    that replacement itself, not a copy, when it is the leaf's first
+    gradient in the context and a fresh dense tensor with the leaf's
+    strides: the hook's owner may still update it in place until this
+    returns (see :func:`running_backward`).
     """
     del retain_graph  # graphs live until the context ends (see the docstring)
     state = api._current()
@@ -214,6 +240,7 @@ def _run_pass(
     if inner:
         leaves = _leaves([out for out, _ in inner])
         if leaves:
+            outer, _running.context_id = getattr(_running, "context_id", None), context.context_id
             try:
                 found: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
                     [out for out, _ in inner],
@@ -224,6 +251,8 @@ def _run_pass(
                 )
             except Exception as exc:
                 raise RuntimeError(f"Error on Node {me.id}: {exc} (on {me.name})") from exc
+            finally:
+                _running.context_id = outer
             reached.extend((leaf, grad) for leaf, grad in zip(leaves, found) if grad is not None)
     to_senders: dict[tuple[str, int], tuple[WorkerInfo, dict[int, torch.Tensor]]] = {}
     buffers = collections.Counter(_buffer(grad) for _, grad in reached)

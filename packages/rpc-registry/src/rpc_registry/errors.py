@@ -22,7 +22,13 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["OperatorSchemaError", "WorkerNameError", "WorkerRefTypeError", "not_initialized"]
+__all__ = [
+    "ModuleClassError",
+    "OperatorSchemaError",
+    "WorkerNameError",
+    "WorkerRefTypeError",
+    "not_initialized",
+]
 
 
 class WorkerNameError(ValueError, RuntimeError):
@@ -31,6 +37,11 @@ class WorkerNameError(ValueError, RuntimeError):
 
 class WorkerRefTypeError(TypeError, ValueError):
     """A destination that is none of a worker name, a ``WorkerInfo`` or a worker id."""
+
+
+class ModuleClassError(ValueError, TypeError):
+    """``RemoteModule(module_cls=...)`` with a ``module_cls`` that does not build an
+    ``nn.Module``: a ``ValueError`` as torch's, and a ``TypeError`` as the argument's type is wrong."""
 
 
 class OperatorSchemaError(RuntimeError, TypeError):

@@ -20,6 +20,8 @@ from torch.distributed.distributed_c10d import Store
 from torch.futures import Future
 from typing_extensions import Protocol, runtime_checkable
 
+from .constants import DEFAULT_INIT_METHOD, DEFAULT_RPC_TIMEOUT_SEC
+
 _NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9_:\-]+")
 _MAX_NAME_LENGTH: Final = 128
 
@@ -73,17 +75,29 @@ be handled, and the agent should report it to the caller as a transport error.
 
 @runtime_checkable
 class RpcBackendOptions(Protocol):
-    """Options every backend accepts (backends add their own fields)."""
+    """Options every backend accepts (backends add their own fields).
 
-    @property
-    def rpc_timeout(self) -> float:
-        """Default timeout of a call in seconds (``0``: no timeout)."""
-        ...
+    Any object with these two attributes is one (a backend's own options
+    class need not derive from this). As torch's class, it may also be
+    instantiated or subclassed; a subclass calls this ``__init__`` and may
+    set the attributes in its own::
 
-    @property
-    def init_method(self) -> str:
-        """URL for the rendezvous, e.g. ``env://`` or ``tcp://host:port``."""
-        ...
+        class FileOptions(RpcBackendOptions):
+            def __init__(self, path: str) -> None:
+                RpcBackendOptions.__init__(self)
+                self.init_method = f"file://{path}"
+    """
+
+    #: Default timeout of a call in seconds (``0``: no timeout).
+    rpc_timeout: float
+    #: URL for the rendezvous, e.g. ``env://`` or ``tcp://host:port``.
+    init_method: str
+
+    def __init__(
+        self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC, init_method: str = DEFAULT_INIT_METHOD
+    ) -> None:
+        self.rpc_timeout = rpc_timeout
+        self.init_method = init_method
 
 
 class RpcAgent(Protocol):

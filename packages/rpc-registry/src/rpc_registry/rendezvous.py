@@ -2,11 +2,15 @@
 
 ``tcp://`` and ``env://`` URLs get a ``TCPStore`` made here, hosted by rank 0,
 that does not block its host until every worker connected; instead every
-worker of a static group marks its arrival and waits for the others', so a
-worker that never comes is named (``rank 2 never arrived``) after the
-options' ``rpc_timeout``, not found at torch's 30-minute default. Other URLs
-(``file://``) go through ``torch.distributed.rendezvous`` with the same
-limit. Successive sessions on one store use separate keys.
+worker of a static group marks its arrival and waits for the others'. As
+torch's ``init_rpc``, the wait lasts up to the rendezvous timeout (torch's
+30 minutes, or the options' ``rendezvous_timeout``), not ``rpc_timeout``,
+which is the limit of one call: a worker that starts late is waited for.
+The wait is not silent: every few seconds a warning names the ranks still
+missing, and a worker that never comes is named at the end (``rank 2 never
+arrived``). Other URLs (``file://``) go through
+``torch.distributed.rendezvous`` with the same limit. Successive sessions
+on one store use separate keys.
 
 Rank 0 hands the store a listening socket of its own, on the URL's IPv4
 address only. torch's store would listen on every interface, IPv6
@@ -32,27 +36,45 @@ from torch.distributed.rendezvous import rendezvous
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-__all__ = ["rendezvous_store"]
+__all__ = ["DEFAULT_RENDEZVOUS_TIMEOUT_S", "rendezvous_store"]
 
-#: The limit when ``rpc_timeout`` is 0 (no limit on calls): torch's default for process groups.
-UNLIMITED_INIT_S: Final = 1800.0
-# Waiting for the rendezvous store to listen: at most this long, one probe every few ms.
-_STORE_WAIT_S: Final = 30.0
+#: How long ``init_rpc`` waits for the group by default: torch's (its process groups' default).
+DEFAULT_RENDEZVOUS_TIMEOUT_S: Final = 1800.0
+#: The store's limit for one operation when ``rpc_timeout`` is 0 (no limit on calls).
+UNLIMITED_INIT_S: Final = DEFAULT_RENDEZVOUS_TIMEOUT_S
+#: While waiting for the group: a warning naming who is missing, this often.
+PROGRESS_S: Final = 5.0
+# Waiting for the rendezvous store to listen: one probe every few ms.
 _STORE_POLL_S: Final = 0.002
 _STORE_PROBE_S: Final = 0.1
 
 
-def _await_store(host: str, port: int, timeout: float) -> None:
+def _await_store(host: str, port: int, timeout: float, rank: int = -1) -> None:
     """Wait until the store's address accepts connections, polling every few milliseconds:
-    torch's store client, started too early, backs off for up to a second. Gives up
-    silently after ``timeout`` (the store's own connect reports errors)."""
-    deadline = time.monotonic() + timeout
+    torch's store client, started too early, backs off for up to a second. Warns every
+    :data:`PROGRESS_S` seconds; gives up after ``timeout`` (the store's own connect then
+    reports the error)."""
+    started = time.monotonic()
+    deadline = started + timeout
+    next_note = started + PROGRESS_S
     while time.monotonic() < deadline:
         try:
             socket.create_connection((host, port), timeout=_STORE_PROBE_S).close()
             return
         except OSError:
             time.sleep(_STORE_POLL_S)
+        now = time.monotonic()
+        if now >= next_note:
+            next_note = now + PROGRESS_S
+            logger.warning(
+                "init_rpc(rank=%d): waiting for rank 0's rendezvous store at %s:%d to listen "
+                "(%.0f s of at most %g s)",
+                rank,
+                host,
+                port,
+                now - started,
+                timeout,
+            )
 
 
 def _address(url: str) -> tuple[str, int] | None:
@@ -144,18 +166,24 @@ def _rank_missing(url: str, rank: int, world_size: int | None) -> ValueError:
 
 
 def rendezvous_store(
-    url: str, rank: int, world_size: int | None, rpc_timeout: float
+    url: str,
+    rank: int,
+    world_size: int | None,
+    rpc_timeout: float,
+    timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT_S,
 ) -> tuple[Store, int, int | None]:
     """Meet the group at ``url``; the session's store, this worker's rank and the world size.
 
-    ``world_size=None`` joins a dynamic group (no arrival check). Waits at most
-    ``rpc_timeout`` seconds (``0``: :data:`UNLIMITED_INIT_S`).
+    ``world_size=None`` joins a dynamic group (no arrival check). Waits for the
+    store and the other workers at most ``timeout`` seconds, warning every
+    :data:`PROGRESS_S` seconds which ranks it waits for; the store's own
+    operations are limited by ``rpc_timeout`` afterwards (``0``:
+    :data:`UNLIMITED_INIT_S`).
 
     Raises:
         TimeoutError: naming the ranks that did not arrive in time.
         ValueError: the URL or environment does not say where the store is.
     """
-    timeout = rpc_timeout if rpc_timeout > 0 else UNLIMITED_INIT_S
     limit = timedelta(seconds=timeout)
     if url.startswith("env:"):
         rank, world_size = _rank_and_size(url, rank, world_size)  # RANK before MASTER_ADDR, as torch
@@ -165,9 +193,10 @@ def rendezvous_store(
         rank, world_size = _rank_and_size(url, rank, world_size)
         host, port = address
         if rank != 0:
-            _await_store(host, port, min(timeout, _STORE_WAIT_S))
+            _await_store(host, port, timeout, rank)
         try:
-            store: Store = _tcp_store(host, port, world_size, rank == 0, limit)
+            left = timedelta(seconds=max(started + timeout - time.monotonic(), _STORE_PROBE_S))
+            store: Store = _tcp_store(host, port, world_size, rank == 0, left)
         except (RuntimeError, OSError) as exc:
             waited = time.monotonic() - started
             role = "host" if rank == 0 else "reach"
@@ -184,7 +213,7 @@ def rendezvous_store(
             store, rank, _ = next(rendezvous(f"{url}{separator}rank={rank}&world_size=-1", timeout=limit))
         else:
             store, rank, world_size = next(rendezvous(url, rank=rank, world_size=world_size, timeout=limit))
-    store.set_timeout(limit)
+    store.set_timeout(timedelta(seconds=rpc_timeout if rpc_timeout > 0 else UNLIMITED_INIT_S))
     # Each rank counts its own sessions in the store itself, so workers that all start again
     # agree, and a fresh store (a fresh group) starts from 1 whatever a process did before.
     session = store.add(f"rpc_registry/sessions/rank{rank}", 1)
@@ -199,16 +228,30 @@ def _await_arrivals(
 ) -> None:
     keys = [f"rpc_registry/arrived/{r}" for r in range(world_size)]
     store.set(keys[rank], "1")
-    try:
-        store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-    except RuntimeError as exc:
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        if not missing:
-            raise
-        waited = time.monotonic() - started
-        raise TimeoutError(
-            f"init_rpc(rank={rank}): waited {waited:.1f} s for all {world_size} workers to reach the "
-            f"rendezvous at {url}; rank{'s' if len(missing) > 1 else ''} "
-            f"{', '.join(map(str, missing))} never arrived. Start every worker with the same init_method "
-            "and world_size, or raise rpc_timeout"
-        ) from exc
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            store.wait(keys, timedelta(seconds=max(min(left, PROGRESS_S), 0.001)))
+            return
+        except RuntimeError as exc:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            if not missing:
+                raise
+            ranks = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+            waited = time.monotonic() - started
+            if time.monotonic() < deadline:
+                logger.warning(
+                    "init_rpc(rank=%d): waiting for %s to reach the rendezvous at %s (%.0f s of at most %g s)",
+                    rank,
+                    ranks,
+                    url,
+                    waited,
+                    deadline - started,
+                )
+                continue
+            raise TimeoutError(
+                f"init_rpc(rank={rank}): waited {waited:.1f} s for all {world_size} workers to reach the "
+                f"rendezvous at {url}; {ranks} never arrived. Start every worker with the same "
+                "init_method and world_size, or raise the options' rendezvous_timeout "
+                f"(now {deadline - started:g} s)"
+            ) from exc

@@ -98,8 +98,11 @@ class TensorPipeRpcBackendOptions:
     workers of the same host find (workers on other hosts then fail at init
     and say how to pass a token). ``insecure=True`` shares a generated secret
     through the rendezvous store instead, where anyone who can reach the store
-    can read it (a warning is logged). ``_transports`` and ``_channels`` are
-    accepted for compatibility with torch and must be ``None``.
+    can read it (a warning is logged). ``rendezvous_timeout`` is how long
+    ``init_rpc`` waits for the other workers of a static group, in seconds
+    (``None``: torch's 30 minutes; a warning names the missing ranks every
+    few seconds). ``_transports`` and ``_channels`` are accepted for
+    compatibility with torch and must be ``None``.
 
     Example::
 
@@ -119,6 +122,7 @@ class TensorPipeRpcBackendOptions:
         _channels: list[Any] | None = None,
         auth_token: str | bytes | None = None,
         insecure: bool = False,
+        rendezvous_timeout: float | None = None,
     ) -> None:
         if isinstance(num_worker_threads, bool) or not isinstance(num_worker_threads, int):
             raise TypeError(f"num_worker_threads={num_worker_threads!r}: must be an int >= 1")
@@ -151,6 +155,14 @@ class TensorPipeRpcBackendOptions:
                 )
         if not isinstance(insecure, bool):
             raise TypeError(f"insecure={insecure!r}: must be True or False")
+        given: object = rendezvous_timeout
+        if given is not None and (
+            isinstance(given, bool) or not isinstance(given, (int, float)) or not 0 < given < math.inf
+        ):
+            raise ValueError(
+                f"rendezvous_timeout={rendezvous_timeout!r}: must be seconds > 0, or None for torch's "
+                "30 minutes"
+            )
         if device_maps is not None and not isinstance(device_maps, dict):
             raise TypeError(f"device_maps={device_maps!r}: must be a dict from worker name to device map")
         self.num_worker_threads: int = num_worker_threads
@@ -158,6 +170,9 @@ class TensorPipeRpcBackendOptions:
         self.init_method: str = init_method
         self.auth_token: str | bytes | None = auth_token
         self.insecure: bool = insecure
+        self.rendezvous_timeout: float | None = (
+            None if rendezvous_timeout is None else float(rendezvous_timeout)
+        )
         self._transports = _transports
         self._channels = _channels
         self._device_maps: dict[str, DeviceMap] = {}
@@ -219,7 +234,8 @@ class TensorPipeRpcBackendOptions:
             f"TensorPipeRpcBackendOptions(num_worker_threads={self.num_worker_threads}, "
             f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r}, "
             f"device_maps={self._device_maps}, devices={self._devices}, "
-            f"auth_token={'<set>' if self.auth_token is not None else None}, insecure={self.insecure})"
+            f"auth_token={'<set>' if self.auth_token is not None else None}, insecure={self.insecure}, "
+            f"rendezvous_timeout={self.rendezvous_timeout})"
         )
 
 
