@@ -122,6 +122,8 @@ _PER_STEP_STATE: Final = frozenset(
         "_hook_counts",
         "_buffer_src",
         "_used_since_sync",
+        "_distributed",
+        "_captured",
     }
 )
 
