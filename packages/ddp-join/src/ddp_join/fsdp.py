@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ddp_join._groups import all_gather_bytes
-from join_core import Join, JoinHook
+from join_core import Join, JoinHook, install_exit_grace
 
 __all__ = ["FSDPJoinable"]
 
@@ -91,6 +91,7 @@ class FSDPJoinable:
                 f"FSDPJoinable(module={type(module).__name__}): not an FSDP module; "
                 "call torch.distributed.fsdp.fully_shard(module) first"
             )
+        install_exit_grace()  # FSDP2's module holds the process group's threads to interpreter exit
         meshes = []
         for param in module.parameters():
             if isinstance(param, DTensor) and param.device_mesh not in meshes:

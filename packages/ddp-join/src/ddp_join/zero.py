@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ddp_join._groups import gather_bytes, global_rank, resolve_group
 from ddp_join.optimizer_state import decode_state, encode_state
-from join_core import Join, JoinHook
+from join_core import Join, JoinHook, install_exit_grace
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -76,6 +76,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._consolidated: list[dict[int, Any]] | None = None
         self._stepped = 0  # heartbeats of the current Join when step() last finished
         super().__init__(params, defaults)
+        install_exit_grace()  # the optimizer holds the process group's threads to interpreter exit
         for param_group in self.param_groups:
             self._assign(param_group["params"])
         self.optim: torch.optim.Optimizer = optimizer_class(
