@@ -333,3 +333,53 @@ def test_a_dynamic_member_joins_after_the_secrets_maker_left() -> None:
             leave["b"].set()
             assert results.get(timeout=40) == ("b", [])
     del store
+
+
+def init_reporting_how_it_failed(
+    name: str, rank: int, init_method: str, results: Any, insecure: bool, elsewhere: bool
+) -> None:
+    """Join a static group of 2 with no token; report how long init_rpc took and how it failed.
+    ``elsewhere``: this worker finds no secret file, as on another host."""
+    os.environ.pop(AUTH_TOKEN_ENV, None)
+    if elsewhere:
+
+        def not_on_this_host(path: Path) -> bytes:
+            raise FileNotFoundError(str(path))
+
+        import tensorpipe_backend.secret
+
+        setattr(tensorpipe_backend.secret, "read_secret_file", not_on_this_host)  # noqa: B010 - patched in this process
+    started = time.monotonic()
+    try:
+        init_rpc(name, backend(), rank, 2, options(init_method, auth_token=None, insecure=insecure))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, time.monotonic() - started, f"{type(exc).__name__}: {exc}"))
+        return
+    results.put((rank, time.monotonic() - started, "joined"))
+    shutdown(graceful=False)
+
+
+@pytest.mark.parametrize(
+    ("insecure", "elsewhere", "cause"),
+    [
+        ((False, False), (False, True), "does not exist on this host"),
+        ((True, False), (False, False), "insecure"),
+        ((False, True), (False, False), "insecure"),
+    ],
+    ids=["rank1-on-another-host", "insecure-on-rank0-only", "insecure-on-rank1-only"],
+)
+def test_a_worker_that_cannot_get_the_secret_fails_fast_on_both_sides_naming_the_cause(
+    insecure: tuple[bool, bool], elsewhere: tuple[bool, bool], cause: str
+) -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results = CONTEXT.Queue()
+    targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+        (init_reporting_how_it_failed, (f"f{r}", r, init_method, results, insecure[r], elsewhere[r]))
+        for r in range(2)
+    ]
+    with spawned(targets):
+        outcomes = sorted(results.get(timeout=60) for _ in range(2))
+    for rank, elapsed, error in outcomes:
+        assert cause in error, (rank, error)
+        assert elapsed < 8, f"rank {rank} took {elapsed:.1f} s of its 20 s timeout to fail: {error}"
+    assert "rank 1 could not join" in outcomes[0][2]

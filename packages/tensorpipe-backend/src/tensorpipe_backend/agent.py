@@ -47,6 +47,7 @@ from .group import (
     membership_token,
     publish_signed_record,
     record_key,
+    report_failure,
     set_members,
     static_group_met,
 )
@@ -191,8 +192,10 @@ class TensorPipeAgent:
                 self._join_static(record, world_size)
             else:
                 self._join_dynamic(record)
-        except BaseException:
+        except BaseException as exc:
             self._close_now()
+            if world_size is not None and isinstance(exc, Exception):
+                report_failure(store, rank, exc)
             raise
         _current = weakref.ref(self)
         logger.debug("agent %s (rank %d) listens on %s:%d", name, rank, host, record.port)

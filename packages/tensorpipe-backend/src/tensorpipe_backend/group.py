@@ -31,6 +31,8 @@ logger: logging.Logger = logging.getLogger(__name__)
 __all__ = [
     "WorkerRecord",
     "gather_signed_records",
+    "raise_if_failed",
+    "report_failure",
     "members",
     "membership_token",
     "publish_signed_record",
@@ -40,6 +42,9 @@ __all__ = [
 _PREFIX: Final = "tensorpipe_backend"
 MEMBERS_KEY: Final = f"{_PREFIX}/members"
 _TOKEN_KEY: Final = f"{_PREFIX}/token"
+_FAILURES_KEY: Final = f"{_PREFIX}/failures"
+_POLL: Final = 0.2  # how often a wait on the store looks for a member's failure
+_MAX_FAILURE_TEXT: Final = 2000
 _UNLIMITED: Final = 3600.0 * 24
 
 
@@ -124,6 +129,45 @@ def publish_signed_record(store: Store, record: WorkerRecord, secret: bytes) -> 
     store.set(key, f"{text}\n{_mac(secret, key, text)}")
 
 
+def _failure_key(rank: int) -> str:
+    return f"{_PREFIX}/failed/{rank}"
+
+
+def report_failure(store: Store, rank: int, error: BaseException) -> None:
+    """Tell the static group's other members why this one cannot join, so that they fail at once
+    with the cause instead of waiting out their timeout (best effort: the store may be gone)."""
+    try:
+        store.set(_failure_key(rank), f"{type(error).__name__}: {error}"[:_MAX_FAILURE_TEXT])
+        store.add(_FAILURES_KEY, 1)
+    except (RuntimeError, OSError) as exc:
+        logger.debug("rank %d: could not tell the group why it failed: %s", rank, exc)
+
+
+def raise_if_failed(store: Store, rank: int, ranks: range) -> None:
+    """Raise ``RuntimeError`` with the cause if one of ``ranks`` (not this one) reported a failure."""
+    if store.add(_FAILURES_KEY, 0) == 0:
+        return
+    for r in ranks:
+        if r != rank and store.check([_failure_key(r)]):
+            cause = store.get(_failure_key(r)).decode(errors="replace")[:_MAX_FAILURE_TEXT]
+            raise RuntimeError(f"rank {rank}: rank {r} could not join the group: {cause}")
+
+
+def wait_or_fail(store: Store, keys: list[str], rank: int, ranks: range, timeout: float) -> bool:
+    """Wait at most ``timeout`` s for ``keys``; whether they came. Fails as soon as one of ``ranks``
+    reports a failure (:func:`raise_if_failed`)."""
+    deadline = time.monotonic() + _seconds(timeout)
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            store.wait(keys, timedelta(seconds=max(min(_POLL, remaining), 0.001)))
+            return True
+        except RuntimeError:
+            raise_if_failed(store, rank, ranks)
+            if remaining <= _POLL:
+                return False
+
+
 def gather_signed_records(
     store: Store, secret: bytes, world_size: int, rank: int, timeout: float
 ) -> list[WorkerRecord]:
@@ -131,19 +175,18 @@ def gather_signed_records(
 
     Raises:
         TimeoutError: naming the ranks that did not publish in time.
+        RuntimeError: another member reported that it could not join, and why.
         ValueError: a record is not signed with the job's secret, or is malformed.
     """
     keys = [_static_key(r) for r in range(world_size)]
     started = time.monotonic()
-    try:
-        store.wait(keys, timedelta(seconds=_seconds(timeout)))
-    except RuntimeError as exc:
+    if not wait_or_fail(store, keys, rank, range(world_size), timeout):
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         raise TimeoutError(
             f"rank {rank}: waited {time.monotonic() - started:.1f} s for the records of all {world_size} "
             f"workers; rank{'s' if len(missing) != 1 else ''} {', '.join(map(str, missing))} did not publish "
             "theirs (did they start, with the same init_method and world_size?)"
-        ) from exc
+        )
     records = []
     for r, key in enumerate(keys):
         text, _, mac = store.get(key).decode(errors="replace").rpartition("\n")

@@ -32,12 +32,12 @@ import secrets
 import socket
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Final
 
 from torch.distributed.distributed_c10d import Store
 
+from .group import wait_or_fail
 from .secret_file import SecretFileError, forget_secret_file, make_secret_file, read_secret_file
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ INSECURE_SECRET_KEY: Final = "tensorpipe_backend/secret"
 """Store key of the secret itself, used only with ``insecure=True``."""
 
 _UNLIMITED: Final = 300.0
+_MODE_CHECK: Final = 0.5  # how often a wait for rank 0's secret looks for the other mode's key
 _MAX_HOLDERS: Final = 64  # copies tried by a joining member of a dynamic group
 
 
@@ -101,17 +102,29 @@ def _read_published(published: bytes, rank: int) -> bytes:
         ) from None
 
 
-def _wait_for(store: Store, key: str, rank: int, timeout: float, what: str) -> bytes:
+def _wait_for(store: Store, key: str, rank: int, timeout: float, what: str, other_mode: str) -> bytes:
+    """The value of ``key``, once rank 0 published it; fails at once if rank 0 published
+    ``other_mode`` instead (it was given another ``insecure``) or reported a failure."""
     seconds = timeout if timeout > 0 else _UNLIMITED
     started = time.monotonic()
-    try:
-        store.wait([key], timedelta(seconds=seconds))
-    except RuntimeError as exc:
-        raise TimeoutError(
-            f"rank {rank}: waited {time.monotonic() - started:.1f} s for {what} in the rendezvous store "
-            "and it did not come; "
-            f"check that rank 0 runs, or {_how_to_fix()}"
-        ) from exc
+    deadline = started + seconds
+    while not wait_or_fail(
+        store, [key], rank, range(1), max(min(_MODE_CHECK, deadline - time.monotonic()), 0.001)
+    ):
+        if store.check([other_mode]):
+            mine, theirs = (
+                ("insecure=True", "did not") if key == INSECURE_SECRET_KEY else ("no insecure", "did")
+            )
+            raise RuntimeError(
+                f"rank {rank}: this worker was given {mine} and rank 0 {theirs}: pass the same "
+                f"insecure to every worker, or better, {_how_to_fix()}"
+            )
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"rank {rank}: waited {time.monotonic() - started:.1f} s for {what} in the rendezvous store "
+                "and it did not come; "
+                f"check that rank 0 runs, or {_how_to_fix()}"
+            )
     value: bytes = store.get(key)
     return value
 
@@ -156,11 +169,14 @@ def resolve_secret(
         if rank == 0:
             store.set(INSECURE_SECRET_KEY, fresh)
             return bytes.fromhex(fresh)
-        return bytes.fromhex(_wait_for(store, INSECURE_SECRET_KEY, rank, timeout, "rank 0's secret").decode())
+        return bytes.fromhex(
+            _wait_for(store, INSECURE_SECRET_KEY, rank, timeout, "rank 0's secret", SECRET_FILE_KEY).decode()
+        )
     if is_static_group:
         if rank != 0:
             return _read_published(
-                _wait_for(store, SECRET_FILE_KEY, rank, timeout, "rank 0's secret file"), rank
+                _wait_for(store, SECRET_FILE_KEY, rank, timeout, "rank 0's secret file", INSECURE_SECRET_KEY),
+                rank,
             )
         store.set(SECRET_FILE_KEY, _publish_file(fresh)[1])
         return bytes.fromhex(fresh)
