@@ -256,3 +256,11 @@ def test_the_store_of_a_tcp_rendezvous_listens_on_the_urls_ipv4_address_only() -
         socket.create_connection(("::1", port), timeout=5).close()
     store.set("key", "value")
     assert store.get("key") == b"value"
+
+
+def test_a_lone_rank_fails_within_its_rpc_timeout_and_one_second() -> None:
+    options = SocketOptions(rpc_timeout=5.0, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"after \d\.\d s of at most 5 s"):
+        init_rpc("alone", backend=socket_backend(), rank=1, world_size=2, rpc_backend_options=options)
+    assert time.monotonic() - start <= 6.0

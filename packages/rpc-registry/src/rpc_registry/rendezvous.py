@@ -166,8 +166,10 @@ def rendezvous_store(
         host, port = address
         if rank != 0:
             _await_store(host, port, min(timeout, _STORE_WAIT_S))
+        # What is left of the one limit: the probe above and the store's own connect share it.
+        left = timedelta(seconds=max(started + timeout - time.monotonic(), 0.001))
         try:
-            store: Store = _tcp_store(host, port, world_size, rank == 0, limit)
+            store: Store = _tcp_store(host, port, world_size, rank == 0, left)
         except (RuntimeError, OSError) as exc:
             waited = time.monotonic() - started
             role = "host" if rank == 0 else "reach"
