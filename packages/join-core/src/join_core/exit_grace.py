@@ -15,9 +15,9 @@ requests 157193 and 179291).
 Releasing the GIL once at exit, while the interpreter is still whole, lets
 such a thread take it and finish. The release is registered once per
 process, not at import: the first time a :class:`join_core.Join` is built,
-or one of ddp-join's entry points (``DistributedDataParallel``,
+one of ddp-join's entry points (``DistributedDataParallel``,
 ``ZeroRedundancyOptimizer``, ``FSDPJoinable``), which hold a process group
-without a Join.
+without a Join, or ``rpc_registry.init_rpc``.
 """
 
 from __future__ import annotations
