@@ -383,3 +383,18 @@ def test_a_worker_that_cannot_get_the_secret_fails_fast_on_both_sides_naming_the
         assert cause in error, (rank, error)
         assert elapsed < 8, f"rank {rank} took {elapsed:.1f} s of its 20 s timeout to fail: {error}"
     assert "rank 1 could not join" in outcomes[0][2]
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_secret_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    store = HashStore()
+    resolve_secret(None, store, 0, True, 5.0)
+    path = Path(json.loads(store.get(SECRET_FILE_KEY))["path"])
+    pid = os.fork()
+    if pid == 0:  # the child exits as a script does, running its exit handlers
+        try:
+            secret_file._remove_all()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert path.exists()

@@ -75,8 +75,11 @@ class _Made:
     def __init__(self, path: Path, reaper: subprocess.Popen[bytes] | None) -> None:
         self.path = path
         self.reaper = reaper
+        self.pid = os.getpid()
 
     def remove(self) -> None:
+        if os.getpid() != self.pid:
+            return  # a forked child exiting: the file is its parent's, still in use
         with contextlib.suppress(OSError):
             self.path.unlink()
         with contextlib.suppress(OSError):
