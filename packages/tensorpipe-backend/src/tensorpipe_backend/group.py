@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Final
 
 import torch
@@ -43,7 +42,10 @@ _PREFIX: Final = "tensorpipe_backend"
 MEMBERS_KEY: Final = f"{_PREFIX}/members"
 _TOKEN_KEY: Final = f"{_PREFIX}/token"
 _FAILURES_KEY: Final = f"{_PREFIX}/failures"
-_POLL: Final = 0.2  # how often a wait on the store looks for a member's failure
+_PUBLISHED_KEY: Final = f"{_PREFIX}/static/published"
+# A wait on the store polls (store.wait's timeouts would each log a warning): quickly at first.
+_FIRST_POLL: Final = 0.002
+_POLL: Final = 0.2
 _MAX_FAILURE_TEXT: Final = 2000
 _UNLIMITED: Final = 3600.0 * 24
 
@@ -127,6 +129,7 @@ def publish_signed_record(store: Store, record: WorkerRecord, secret: bytes) -> 
     """Publish a static group member's record, signed with the job's secret."""
     key, text = _static_key(record.rank), record.to_json()
     store.set(key, f"{text}\n{_mac(secret, key, text)}")
+    store.add(_PUBLISHED_KEY, 1)
 
 
 def _failure_key(rank: int) -> str:
@@ -153,19 +156,23 @@ def raise_if_failed(store: Store, rank: int, ranks: range) -> None:
             raise RuntimeError(f"rank {rank}: rank {r} could not join the group: {cause}")
 
 
-def wait_or_fail(store: Store, keys: list[str], rank: int, ranks: range, timeout: float) -> bool:
+def wait_or_fail(
+    store: Store, keys: list[str], rank: int, ranks: range, timeout: float, count_key: str | None = None
+) -> bool:
     """Wait at most ``timeout`` s for ``keys``; whether they came. Fails as soon as one of ``ranks``
-    reports a failure (:func:`raise_if_failed`)."""
+    reports a failure (:func:`raise_if_failed`). With ``count_key`` (a counter each writer of one
+    of ``keys`` adds 1 to), polls that counter, not every key."""
     deadline = time.monotonic() + _seconds(timeout)
+    delay = _FIRST_POLL
     while True:
-        remaining = deadline - time.monotonic()
-        try:
-            store.wait(keys, timedelta(seconds=max(min(_POLL, remaining), 0.001)))
+        if (count_key is None or store.add(count_key, 0) >= len(keys)) and store.check(keys):
             return True
-        except RuntimeError:
-            raise_if_failed(store, rank, ranks)
-            if remaining <= _POLL:
-                return False
+        raise_if_failed(store, rank, ranks)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, _POLL)
 
 
 def gather_signed_records(
@@ -180,7 +187,7 @@ def gather_signed_records(
     """
     keys = [_static_key(r) for r in range(world_size)]
     started = time.monotonic()
-    if not wait_or_fail(store, keys, rank, range(world_size), timeout):
+    if not wait_or_fail(store, keys, rank, range(world_size), timeout, _PUBLISHED_KEY):
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         raise TimeoutError(
             f"rank {rank}: waited {time.monotonic() - started:.1f} s for the records of all {world_size} "
