@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from bench_fsdp import fsdp_figures
 from bench_hosts import two_host_figures
+from bench_recorder import recorder_figures
 from bench_rpc import ps_figures, rpc_figures
 from bench_scale import scale_figures
 from bench_shadow import shadow_figures
@@ -268,6 +269,7 @@ def ddp_figures(rounds: int, quick: bool) -> list[Figure]:
         )
     )
     figures += shadow_figures(rounds, quick)
+    figures += recorder_figures(rounds, quick)
     return figures
 
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from counting_joinable import CountingJoinable
+from torch.distributed import all_reduce as imported_all_reduce
 
-from join_core import CollectiveMismatchError, Join, ShadowCollectives
+from join_core import CollectiveMismatchError, Join, ShadowCollectives, intercept
 from join_core.testing import RanksFailedError, run_ranks
 
 CARRIES = pytest.mark.parametrize("carries", [False, True], ids=["heartbeat-allreduce", "heartbeat-carried"])
@@ -97,7 +99,6 @@ def test_shadow_collectives_cannot_come_first() -> None:
 
 
 def _scoped(rank: int, world_size: int) -> dict[str, Any]:
-    original = dist.all_reduce
     other = dist.new_group(list(range(world_size)))
     counting = CountingJoinable(False)
     shadow = ShadowCollectives()
@@ -112,14 +113,14 @@ def _scoped(rank: int, world_size: int) -> dict[str, Any]:
             other_results.append(value.item())
 
     with Join([counting, shadow]):
-        seen_inside.append(dist.all_reduce is not original)
+        seen_inside.append(intercept.watched(shadow.process_group))
         thread = threading.Thread(target=on_other_group)
         thread.start()
         for _ in range(BASE + rank):
             counting.step(1.0)
             dist.all_reduce(torch.ones(1))
         thread.join(timeout=60)
-    restored_after_exit = dist.all_reduce is original
+    restored_after_exit = not intercept.watched(shadow.process_group)
     failed_inside = False
     try:
         with Join([CountingJoinable(False), ShadowCollectives()]):
@@ -129,7 +130,7 @@ def _scoped(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "inside": seen_inside,
         "restored": restored_after_exit,
-        "restored_after_failure": failed_inside and dist.all_reduce is original,
+        "restored_after_failure": failed_inside and not intercept.watched(shadow.process_group),
         "other": other_results,
     }
 
@@ -160,26 +161,58 @@ def test_avg_cannot_be_shadowed_and_says_what_to_use() -> None:
         assert "ReduceOp.AVG" in message and "ReduceOp.SUM" in message
 
 
-def _patched_meanwhile(rank: int, world_size: int) -> dict[str, Any]:
-    original = dist.all_reduce
-    calls: list[str] = []
-    with Join([CountingJoinable(False), ShadowCollectives()]):
-        ours = dist.all_reduce
+def _every_kind(rank: int, world_size: int) -> list[dict[str, list[float]]]:
+    counting = CountingJoinable(False)
+    seen = []
+    with Join([counting, ShadowCollectives()]):
+        for _ in range(BASE + world_size - 1 - rank):  # rank 0, every root, trains longest
+            counting.step(1.0)
+            mine = float(rank + 1)
+            summed = torch.tensor([mine])
+            imported_all_reduce(summed)
+            gathered = [torch.zeros(1) for _ in range(world_size)] if rank == 0 else None
+            dist.gather(torch.tensor([mine]), gathered, dst=0)
+            scattered = torch.zeros(1)
+            chunks = [torch.tensor([10.0 + r]) for r in range(world_size)] if rank == 0 else None
+            dist.scatter(scattered, chunks, src=0)
+            exchanged = torch.zeros(world_size)
+            dist.all_to_all_single(exchanged, torch.tensor([10.0 * rank + r for r in range(world_size)]))
+            everyone = torch.zeros(world_size)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # deprecated in newer torch, still shadowed
+                dist.all_gather_into_tensor(everyone, torch.tensor([mine]))
+                part = torch.zeros(1)
+                dist.reduce_scatter_tensor(part, torch.full((world_size,), mine))
+            later = torch.tensor([mine])
+            work = dist.all_reduce(later, async_op=True)
+            assert work is not None
+            work.wait()
+            seen.append(
+                {
+                    "summed": summed.tolist(),
+                    "gathered": [t.item() for t in gathered] if gathered is not None else [],
+                    "scattered": scattered.tolist(),
+                    "exchanged": exchanged.tolist(),
+                    "everyone": everyone.tolist(),
+                    "part": part.tolist(),
+                    "later": later.tolist(),
+                }
+            )
+    return seen
 
-        # Another library wraps the function while the context is entered.
-        def theirs(*args: Any, **kwargs: Any) -> Any:
-            calls.append("theirs")
-            return ours(*args, **kwargs)
 
-        dist.all_reduce = theirs
-    left_in_place = dist.all_reduce is theirs
-    calls.clear()  # Join's own heartbeats went through it too
-    value = torch.ones(1)
-    dist.all_reduce(value)  # theirs, then ours passing straight on
-    dist.all_reduce = original
-    return {"left_in_place": left_in_place, "calls": calls, "value": value.item()}
-
-
-def test_a_function_replaced_by_someone_else_meanwhile_is_left_in_place() -> None:
-    for result in run_ranks(_patched_meanwhile, 2):
-        assert result == {"left_in_place": True, "calls": ["theirs"], "value": 2.0}
+def test_joined_ranks_shadow_every_kind_of_collective_however_called() -> None:
+    world_size = 3
+    results = run_ranks(_every_kind, world_size)
+    for rank, seen in enumerate(results):
+        for step, row in enumerate(seen):
+            active = [r for r in range(world_size) if BASE + world_size - 1 - r > step]
+            total = float(sum(r + 1 for r in active))
+            values = [float(r + 1) if r in active else 0.0 for r in range(world_size)]
+            assert row["summed"] == [total] and row["later"] == [total], (rank, step, row)
+            assert row["gathered"] == (values if rank == 0 else []), (rank, step, row)
+            assert row["scattered"] == [10.0 + rank], (rank, step, row)
+            assert row["exchanged"] == [10.0 * r + rank if r in active else 0.0 for r in range(world_size)], (
+                row
+            )
+            assert row["everyone"] == values and row["part"] == [total], (rank, step, row)

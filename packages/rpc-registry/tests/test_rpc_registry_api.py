@@ -39,6 +39,7 @@ from rpc_registry import (
     get_worker_info,
     init_rpc,
     remote,
+    report_slow_calls,
     rpc_async,
     rpc_sync,
     shutdown,
@@ -105,6 +106,20 @@ def no_tracked_values_left() -> Iterator[None]:
 
 def _holds_nothing(worker: str) -> bool:
     return rpc_sync(worker, live_tracked) == 0
+
+
+def test_a_slow_rpc_sync_logs_the_callees_running_stack(caplog: pytest.LogCaptureFixture) -> None:
+    report_slow_calls(after=1.0)
+    try:
+        with caplog.at_level(logging.ERROR, logger="rpc_registry.slow_calls"):
+            assert rpc_sync("w1", sleep_then, args=(3.0, 7)) == 7
+            _eventually(lambda: bool(caplog.records), "a slow-call report")
+    finally:
+        report_slow_calls()
+    report = caplog.records[0].getMessage()
+    assert report.startswith("rpc_sync to w1 (sleep_then) has waited"), report
+    assert "w1 has been running sleep_then for" in report, report
+    assert "in sleep_then" in report and "time.sleep(seconds)" in report, report
 
 
 def test_rpc_sync_runs_function_in_other_process() -> None:

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ddp_join._groups import all_gather_bytes
-from join_core import Join, JoinHook, install_exit_grace
+from join_core import Join, JoinHook, install_exit_grace, record_collectives
 
 __all__ = ["FSDPJoinable"]
 
@@ -109,6 +109,7 @@ class FSDPJoinable:
             )
         self.module = module
         self.optimizer = optimizer
+        record_collectives()  # numbered from here on every rank: hang reports and desyncs name them
         self._group: dist.ProcessGroup = mesh.get_group()
         self._device = next(p for p in module.parameters() if isinstance(p, DTensor)).to_local().device
         self._world_size = dist.get_world_size(self._group)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ddp_join._groups import gather_bytes, global_rank, resolve_group
 from ddp_join.optimizer_state import decode_state, encode_state, state_limit
-from join_core import Join, JoinHook, install_exit_grace
+from join_core import Join, JoinHook, install_exit_grace, record_collectives
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -66,6 +66,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.overlap_with_ddp = overlap_with_ddp
         self.process_group: dist.ProcessGroup
         self.process_group = group = resolve_group(process_group, "ZeroRedundancyOptimizer")
+        record_collectives()  # numbered from here on every rank: hang reports and desyncs name them
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
         self.optimizer_class = optimizer_class

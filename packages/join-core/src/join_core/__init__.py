@@ -5,15 +5,23 @@ not, so nobody hangs. See :class:`Join`, :class:`Joinable` and :class:`JoinHook`
 :class:`ShadowCollectives` shadows the collectives no joinable owns.
 """
 
+from join_core.collective_watch import DEFAULT_HANG_TIMEOUT, CollectiveDesyncError
 from join_core.exit_grace import install_exit_grace
 from join_core.hook import JoinHook
 from join_core.join import Join, JoinAbortedError
 from join_core.joinable import Joinable
 from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, RankLostError
+from join_core.recorder import CollectiveRecord, CollectiveRecorder, record_collectives, recorder
 from join_core.shadow import CollectiveMismatchError, ShadowCollectives
+from join_core.watch import CollectiveWatchHandle, watch_collectives
 
 __all__ = [
+    "DEFAULT_HANG_TIMEOUT",
     "DEFAULT_LIVENESS_TIMEOUT",
+    "CollectiveDesyncError",
+    "CollectiveRecord",
+    "CollectiveRecorder",
+    "CollectiveWatchHandle",
     "CollectiveMismatchError",
     "Join",
     "JoinAbortedError",
@@ -22,4 +30,7 @@ __all__ = [
     "RankLostError",
     "ShadowCollectives",
     "install_exit_grace",
+    "record_collectives",
+    "recorder",
+    "watch_collectives",
 ]

@@ -14,10 +14,12 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
+from join_core.collective_watch import DEFAULT_HANG_TIMEOUT, CollectiveDesyncError
 from join_core.exit_grace import install_exit_grace
 from join_core.hook import JoinHook
 from join_core.joinable import Joinable
 from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, LivenessWatchdog, RankLostError
+from join_core.recorder import record_collectives
 
 __all__ = ["Join", "JoinAbortedError"]
 
@@ -88,7 +90,15 @@ class Join:
             other rank raises :class:`RankLostError` naming it, at most
             ``liveness_timeout * 1.2`` plus a moment after the loss. None
             turns the watch off (then only the process group's timeout ends
-            a wait on a frozen rank).
+            a wait on a frozen rank), and with it the two below.
+        hang_timeout: a collective on the group waiting longer than this
+            (and than 20 times its median time) makes every rank log a hang
+            report whose first line names the culprit ("rank 2 never entered
+            all_reduce #41 ...: it is in train.py:57 load_batch()") and write
+            its dump; the wait goes on. None: no hang reports. Ranks that
+            enter different collectives at the same sequence number raise
+            :class:`CollectiveDesyncError` within about two heartbeats
+            whatever this is.
         kwargs: passed to every joinable's ``join_hook``.
 
     Example::
@@ -106,6 +116,7 @@ class Join:
         throw_on_early_termination: bool = False,
         *,
         liveness_timeout: timedelta | None = DEFAULT_LIVENESS_TIMEOUT,
+        hang_timeout: timedelta | None = DEFAULT_HANG_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         given: object = joinables  # callers without type checking pass anything
@@ -147,8 +158,14 @@ class Join:
             raise ValueError(
                 f"Join(liveness_timeout={liveness_timeout!r}): must be positive; pass None to turn it off"
             )
+        if hang_timeout is not None and hang_timeout.total_seconds() <= 0:
+            raise ValueError(
+                f"Join(hang_timeout={hang_timeout!r}): must be positive; pass None to turn it off"
+            )
         self._liveness_timeout = liveness_timeout
+        self._hang_timeout = hang_timeout
         self._liveness: LivenessWatchdog | None = None
+        record_collectives()
         install_exit_grace()
 
     def __enter__(self) -> Self:
@@ -173,7 +190,7 @@ class Join:
                 hook.enter_hook()
                 self._entered_hooks.append(hook)
             if self._liveness_timeout is not None and self._world_size > 1:
-                self._liveness = LivenessWatchdog(self._group, self._liveness_timeout)
+                self._liveness = LivenessWatchdog(self._group, self._liveness_timeout, self._hang_timeout)
                 self._liveness.start()
         except BaseException:
             self._leave()
@@ -220,13 +237,15 @@ class Join:
     # The rank's own side: joined or failing.
 
     def _raise_if_rank_lost(self, failure: BaseException) -> bool:
-        """Raise RankLostError from ``failure`` if a collective failed because
-        a rank was lost; otherwise return False."""
+        """Raise the watch's verdict (RankLostError, CollectiveDesyncError)
+        from ``failure`` if a collective failed because of it; otherwise return False."""
+        if isinstance(failure, (RankLostError, CollectiveDesyncError)):
+            return True  # already the verdict (a collective's wait raised it)
         if self._liveness is None or not _is_communication_failure(failure):
             return False
-        lost = self._liveness.wait_for_verdict()
-        if lost:
-            raise RankLostError(lost) from failure
+        verdict = self._liveness.wait_for_failure()
+        if verdict is not None:
+            raise verdict from failure
         return False
 
     def _shadow_until_all_joined(self) -> None:

@@ -40,6 +40,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch.distributed as dist
 
+from join_core.collective_watch import CollectiveWatch
+from join_core.recorder import record_collectives
+
 if TYPE_CHECKING:
     # The class get_group_store() returns; torch.distributed does not re-export it to type checkers.
     from torch._C._distributed_c10d import Store
@@ -108,12 +111,31 @@ class LivenessWatchdog:
     seen yet is not judged (ranks may reach a Join far apart); one that left
     its Join says so and is no longer watched.
 
+    With ``hang_timeout``, each heartbeat also carries a summary of this
+    rank's collectives on the group, so that a desync is raised and a hang
+    reported (:mod:`join_core.collective_watch`).
+
     Args:
         group: the Join's process group.
         timeout: how long a rank may go without a heartbeat.
+        hang_timeout: the least wait of a collective reported as a hang;
+            None: no hang reports.
+        collectives: False leaves collectives unwatched (no desync errors, no hang reports).
+        prefix: the store prefix (default: one per Join on the group).
+        until_main_thread_ends: stop when the main thread has ended
+            (a watch not tied to a Join).
     """
 
-    def __init__(self, group: dist.ProcessGroup, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        timeout: timedelta,
+        hang_timeout: timedelta | None = None,
+        *,
+        collectives: bool = True,
+        prefix: str | None = None,
+        until_main_thread_ends: bool = False,
+    ) -> None:
         if timeout.total_seconds() <= 0:
             raise ValueError(
                 f"Join(liveness_timeout={timeout!r}): must be positive; pass None to turn liveness off"
@@ -123,11 +145,16 @@ class LivenessWatchdog:
         self._world_size = dist.get_world_size(group)
         self._timeout = timeout
         self._interval = timeout.total_seconds() / BEATS_PER_TIMEOUT
-        name = group.group_name
-        with _joins_lock:
-            index = _joins.get(name, 0)
-            _joins[name] = index + 1
-        self._prefix = f"join_core/liveness/{index}/"
+        if prefix is None:
+            name = group.group_name
+            with _joins_lock:
+                index = _joins.get(name, 0)
+                _joins[name] = index + 1
+            prefix = f"join_core/liveness/{index}/"
+        self._prefix = prefix
+        self._until_main_thread_ends = until_main_thread_ends
+        self._collectives = CollectiveWatch(group, hang_timeout, prefix) if collectives else None
+        self._failure: BaseException | None = None
         self._stop = threading.Event()
         self._verdict_ready = threading.Event()
         self._verdict: dict[int, str] = {}
@@ -152,6 +179,10 @@ class LivenessWatchdog:
         published = _encode(endpoints, self._hosts_store)
         # One round trip; endpoints first: a rank whose heartbeat is seen has published them.
         keys, values = [self._endpoints_key(self._rank), self._key(self._rank)], [published, "0"]
+        if self._collectives is not None:
+            # Before the heartbeat: a rank whose heartbeat is seen has its summary's key too.
+            keys.insert(1, self._collectives.key(self._rank))
+            values.insert(1, "{}")
         multi_set: Any = getattr(store, "multi_set", None)  # missing from torch's stubs, and from older torch
         if multi_set is not None:
             multi_set(keys, values)
@@ -179,6 +210,25 @@ class LivenessWatchdog:
         beating twice since the failure (once could be a beat written before
         it died), or the watch stopped; at most ``VERDICT_WAIT_TIMEOUTS``
         liveness timeouts."""
+        self._await_verdict()
+        return self.lost()
+
+    def failure(self) -> BaseException | None:
+        """The verdict reached so far, as the error to raise; None while there is none."""
+        return self._failure if self._verdict_ready.is_set() else None
+
+    def wait_for_failure(self) -> BaseException | None:
+        """What made a collective fail, as the error to raise: RankLostError or
+        CollectiveDesyncError; None if no verdict came in time (see
+        :meth:`wait_for_verdict`)."""
+        self._await_verdict()
+        return self._failure if self._verdict_ready.is_set() else None
+
+    def _await_verdict(self) -> None:
+        """Wait, after a failed collective, until there is a verdict, or every
+        watched rank was seen beating twice since (once could be a beat written
+        before it died), or the watch stopped; at most ``VERDICT_WAIT_TIMEOUTS``
+        liveness timeouts."""
         before = dict(self._beats_seen)
         deadline = time.monotonic() + VERDICT_WAIT_TIMEOUTS * self._timeout.total_seconds()
         while not self._verdict_ready.wait(self._interval):
@@ -190,7 +240,6 @@ class LivenessWatchdog:
             )
             if alive or time.monotonic() > deadline or not self._thread.is_alive():
                 break
-        return self.lost()
 
     # The thread.
 
@@ -212,11 +261,16 @@ class LivenessWatchdog:
         except Exception as error:  # noqa: BLE001 - see above; the main thread must not be disturbed
             logger.warning("Join: rank %d stopped watching liveness: %s", self._rank, error)
         finally:
+            if self._collectives is not None and not self._store_lost:
+                with suppress(Exception):  # a report the others wait for: finish it
+                    self._collectives.finish_report(store)
             if self._hosts_store and self._verdict_ready.is_set() and not self._store_lost:
                 self._await_verdict_read(store)
             if not self._store_lost:
                 with suppress(Exception):  # nothing waits on this
                     store.set(own, _LEFT)
+            if self._collectives is not None:
+                self._collectives.close()
             # Release our client here, on this thread, while the process is whole: torch's store
             # client destroyed during interpreter shutdown aborts the process.
             del store
@@ -272,8 +326,12 @@ class LivenessWatchdog:
         escalated = False
         store_lost = False
         first = True  # the first round at once (one beat after the start)
+        collectives = self._collectives
+        main_thread = threading.main_thread()
         while first or not self._stop.wait(self._interval):
             first = False
+            if self._until_main_thread_ends and not main_thread.is_alive():
+                return
             now = time.monotonic()
             if (
                 verdict_at is not None
@@ -287,7 +345,14 @@ class LivenessWatchdog:
                 continue  # nothing more to learn from it, and every call would fail again
             try:
                 beat += 1
-                store.set(self._key(self._rank), str(beat))
+                if collectives is None:
+                    store.set(self._key(self._rank), str(beat))
+                else:
+                    multi_set: Any = getattr(store, "multi_set")  # noqa: B009 - missing from torch's stubs
+                    multi_set(
+                        [self._key(self._rank), collectives.key(self._rank)],
+                        [str(beat), collectives.summary()],
+                    )
                 for rank in others:
                     if rank not in endpoints and store.check([self._key(rank)]):
                         # Published before its first beat, so present now.
@@ -296,7 +361,16 @@ class LivenessWatchdog:
                             store_hosts.add(rank)
                         moved[rank] = now
                 watched = [rank for rank in endpoints if rank not in departed]
-                values = store.multi_get([self._key(rank) for rank in watched]) if watched else []
+                keys = [self._key(rank) for rank in watched]
+                if collectives is not None:
+                    keys += [collectives.key(rank) for rank in [*watched, self._rank]]
+                values = store.multi_get(keys) if keys else []
+                if collectives is not None and verdict_at is None:
+                    summaries = dict(zip([*watched, self._rank], values[len(watched) :]))
+                    desync = collectives.round(store, summaries)
+                    if desync is not None:
+                        verdict_at = now
+                        self._fail(desync, set().union(*endpoints.values()), store_port, None)
                 if verdict_at is None and store.check([self._verdict_key()]):
                     adopted = self._adopt(store.get(self._verdict_key()))
                     if adopted:  # one verdict for every rank: the first published
@@ -322,7 +396,7 @@ class LivenessWatchdog:
                             f"(this rank's network or the store's host failed): {error}"
                         }
                         peers = set().union(*endpoints.values())
-                    self._judge(lost, peers, store_port)
+                    self._judge(lost, peers, store_port, None)
                     store_lost = self._store_lost = True
                 continue
             if now - last_round > timeout_s / 2:
@@ -352,7 +426,7 @@ class LivenessWatchdog:
                 self._judge(lost, set().union(*(endpoints[rank] for rank in lost)), store_port, store)
 
     def _judge(
-        self, lost: dict[int, str], peers: set[_Endpoint], store_port: int | None, store: Store | None = None
+        self, lost: dict[int, str], peers: set[_Endpoint], store_port: int | None, store: Store | None
     ) -> None:
         if store is not None:
             # Published for the others; if one was published first, that one is every rank's verdict.
@@ -363,9 +437,21 @@ class LivenessWatchdog:
                     lost = first
                 store.set(self._read_key(self._rank), "1")
         self._verdict = lost
+        error = RankLostError(lost)
+        record_collectives().set_verdict(self._group.group_name, error)
+        self._fail(error, peers, store_port, store)
+
+    def _fail(
+        self, error: BaseException, peers: set[_Endpoint], store_port: int | None, store: Store | None
+    ) -> None:
+        """Record the verdict, unblock the waiting collectives, and dump (a
+        lost rank; a desync's watch dumps on its own)."""
+        self._failure = error
         self._verdict_ready.set()
-        logger.error("Join: rank %d: %s", self._rank, RankLostError(lost))
+        logger.error("Join: rank %d: %s", self._rank, error)
         _shut_down(peers, store_port)
+        if isinstance(error, RankLostError) and self._collectives is not None:
+            self._collectives.write_dump(store, "lost", str(error))
 
 
 def _own_client(store: Store, timeout: timedelta) -> Store:

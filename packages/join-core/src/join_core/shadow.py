@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import zlib
 from contextlib import AbstractContextManager
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any, Final, NamedTuple
 
 import torch
@@ -31,12 +31,31 @@ import torch.distributed as dist
 from join_core import intercept
 from join_core.hook import JoinHook
 from join_core.join import Join, _lookup
+from join_core.recorder import is_torch
 
 __all__ = ["CollectiveMismatchError", "ShadowCollectives"]
 
 # The file name Join's own collectives are issued from, as its code objects carry it.
 _JOIN_FILE: Final = Join.notify_join_context.__code__.co_filename
-_KINDS: Final = list(intercept.INTERCEPTED)
+# The ops that can be shadowed, by ProcessGroup method.
+_SHADOWABLE: Final = {
+    "allreduce": "all_reduce",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "allgather": "all_gather",
+    "all_gather_single": "all_gather_into_tensor",
+    "_allgather_base": "all_gather_into_tensor",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "_reduce_scatter_base": "reduce_scatter_tensor",
+    "gather": "gather",
+    "scatter": "scatter",
+    "alltoall": "all_to_all",
+    "all_to_all_single": "all_to_all_single",
+    "alltoall_base": "all_to_all_single",
+    "barrier": "barrier",
+}
+_KINDS: Final = [*sorted(set(_SHADOWABLE.values())), "other"]
 _DTYPES: Final = [
     torch.float32,
     torch.float64,
@@ -58,6 +77,8 @@ _SUM: Final = dist.ReduceOp.SUM
 _AVG: Final = dist.ReduceOp.AVG
 
 _Spec = tuple[torch.Size, torch.dtype, torch.device]
+# Public in torch.distributed.distributed_c10d, though its stubs do not re-export it.
+AllgatherOptions: Any = dist.distributed_c10d.AllgatherOptions  # type: ignore[attr-defined]
 
 
 class CollectiveMismatchError(dist.DistError):
@@ -73,12 +94,15 @@ class CollectiveMismatchError(dist.DistError):
 class _Op(NamedTuple):
     """One recorded collective: enough to match it and to issue it with neutral data."""
 
-    name: str
+    name: str  # as torch.distributed names it
+    method: str  # the ProcessGroup method it was issued with
     specs: tuple[_Spec, ...]
     reduce_op: Any  # a ReduceOp, or None
-    root: tuple[int | None, int | None] | None  # (src or dst, group_src or group_dst)
+    root: int | None  # the source or destination, a rank of the group
     # The caller's code and instruction; (None, 0) for Join's own collectives.
     origin: tuple[CodeType | None, int]
+    options: Any  # the options object it was issued with
+    splits: tuple[list[int], list[int]] | None  # an all-to-all's output and input split sizes
 
 
 class ShadowCollectives:
@@ -99,15 +123,16 @@ class ShadowCollectives:
     (SyncBatchNorm then counts no samples for it); it receives into scratch
     buffers, so its own tensors are untouched. Supported: ``all_reduce``,
     ``broadcast``, ``reduce``, ``all_gather``, ``all_gather_into_tensor``,
-    ``reduce_scatter_tensor`` and ``barrier``, called through the
-    ``torch.distributed`` namespace. ``ReduceOp.AVG`` cannot be shadowed (the
-    joined rank would count in the divisor), nor a broadcast from a rank that
-    joined.
+    ``reduce_scatter``, ``reduce_scatter_tensor``, ``gather``, ``scatter``,
+    ``all_to_all``, ``all_to_all_single`` and ``barrier``, however they are
+    called (``dist.all_reduce``, a function imported by name, ``async_op=True``
+    with its ``Work`` waited on later). ``ReduceOp.AVG`` cannot be shadowed
+    (the joined rank would count in the divisor), nor a broadcast or scatter
+    from a rank that joined, nor the coalesced variants.
 
-    How it works: while the Join is entered, those functions of
-    ``torch.distributed`` are replaced by wrappers that pass collectives on
-    other groups straight on, from any thread, and the originals are put back
-    when it is left (:mod:`join_core.intercept`). A training rank records one
+    How it works: while the Join is entered, the collectives of its group are
+    handed to it at the ``ProcessGroup`` methods every call reaches, from any
+    thread; other groups' pass straight on (:mod:`join_core.intercept`). A training rank records one
     iteration's sequence locally; a joined rank replays its last iteration.
     The sequence must be the same every iteration while a rank has joined:
     once the training ranks know of the join, each collective on the group is
@@ -223,7 +248,7 @@ class _Shadowing:
         total = join._last_total
         if self.stopped or (total is not None and total <= 0):
             # After a mismatch; or every rank has joined, or a rank failed: no iterations left.
-            return call.original(*call.args, **call.kwargs)
+            return call.proceed()
         if join._signal() <= 0:
             return self._replay(call, total)
         iteration = join._iterations
@@ -244,7 +269,7 @@ class _Shadowing:
         if total is not None and total < self.world_size:
             self._check(op, _OK, "training")
         self.current.append(op)
-        return call.original(*call.args, **call.kwargs)
+        return call.proceed()
 
     # Joined or failing.
 
@@ -307,8 +332,12 @@ class _Shadowing:
         return None
 
     def _issue_neutral(self, op: _Op, step: int, role: str) -> None:
-        root = _group_root(op, self.group)
-        status = _CANNOT_SHADOW if root == self.rank else _OK
+        sources = op.name in ("broadcast", "scatter") or op.name not in _SHADOWABLE.values()
+        status = (
+            _CANNOT_SHADOW
+            if sources and (op.root == self.rank or op.root is None) and op.name != "barrier"
+            else _OK
+        )
         if self._checking(step):
             self._check(op, status, role)
         if status != _OK:
@@ -317,7 +346,7 @@ class _Shadowing:
                 f"ShadowCollectives: rank {self.rank} ({role}) cannot shadow {_describe(op)}: it is the "
                 "source of the data; take it from a rank that is still training"
             )
-        _neutral_call(op, self.group)
+        _neutral_call(op, self.group, self.rank, self.world_size)
 
     # Both.
 
@@ -336,7 +365,7 @@ class _Shadowing:
             device=self.device,
         )
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        intercept.original("all_gather")(rows, mine, group=self.group)
+        intercept.issue(self.group, "allgather", [rows], [mine], AllgatherOptions()).wait()
         values = [tuple(int(v) for v in row.tolist()) for row in rows]
         if all(v[:4] == values[0][:4] and v[5] != _CANNOT_SHADOW for v in values):
             return
@@ -348,37 +377,47 @@ def _spec(tensor: torch.Tensor) -> _Spec:
     return (tensor.shape, tensor.dtype, tensor.device)
 
 
-def _op_of(call: intercept.Call) -> _Op:
-    name, args, _, frame, _ = call
+def _origin(frame: FrameType | None) -> tuple[CodeType | None, int]:
+    """The first frame outside torch that issued a collective; (None, 0) for Join's own."""
+    while frame is not None and is_torch(frame.f_code):
+        frame = frame.f_back
+    if frame is None:
+        return (None, 0)
     code = frame.f_code
     # Join's heartbeat comes from one place on a training rank, another on a joined one.
-    origin = (None, 0) if code.co_filename == _JOIN_FILE else (code, frame.f_lasti)
-    if name == "all_reduce":  # the common one, without the general look-ups
-        tensor = args[0] if args else call.kwargs["tensor"]
-        reduce_op = args[1] if len(args) > 1 else call.kwargs.get("op", _SUM)
-        one: tuple[_Spec, ...] = ((tensor.shape, tensor.dtype, tensor.device),)
-        return tuple.__new__(_Op, (name, one, reduce_op, None, origin))
-    argument = call.argument
-    specs: tuple[_Spec, ...]
-    reduce_op = None
-    root: tuple[int | None, int | None] | None = None
-    if name == "broadcast":
-        specs = (_spec(argument("tensor")),)
-        root = (argument("src"), argument("group_src"))
-    elif name == "reduce":
-        specs = (_spec(argument("tensor")),)
-        reduce_op = argument("op", _SUM)
-        root = (argument("dst"), argument("group_dst"))
-    elif name == "all_gather":
-        specs = (*(_spec(t) for t in argument("tensor_list")), _spec(argument("tensor")))
-    elif name in ("all_gather_into_tensor", "all_gather_single"):
-        specs = (_spec(argument("output_tensor")), _spec(argument("input_tensor")))
-    elif name == "reduce_scatter_tensor":
-        specs = (_spec(argument("output")), _spec(argument("input")))
-        reduce_op = argument("op", _SUM)
-    else:  # barrier
+    return (None, 0) if code.co_filename == _JOIN_FILE else (code, frame.f_lasti)
+
+
+def _op_of(call: intercept.Call) -> _Op:
+    name, method, _, args, kwargs, caller, _ = call
+    origin = _origin(caller)
+    if kwargs or name not in _SHADOWABLE.values():
+        return tuple.__new__(_Op, ("other", method, (), None, None, origin, None, None))
+    if method == "allreduce":  # the common one, without the general look-ups
+        tensors, options = args
+        specs: tuple[_Spec, ...] = tuple((t.shape, t.dtype, t.device) for t in tensors)
+        return tuple.__new__(_Op, (name, method, specs, options.reduceOp, None, origin, options, None))
+    options = args[-1]
+    reduce_op = getattr(options, "reduceOp", None)
+    root = getattr(options, "rootRank", None)
+    splits = None
+    if method in ("broadcast", "reduce", "alltoall"):
+        specs = tuple(_spec(t) for t in (*args[0], *(args[1] if method == "alltoall" else ())))
+    elif method == "allgather":
+        specs = (*(_spec(t) for t in args[0][0]), _spec(args[1][0]))
+    elif method == "reduce_scatter":
+        specs = (_spec(args[0][0]), *(_spec(t) for t in args[1][0]))
+    elif method == "gather":
+        specs = (_spec(args[1][0]),)
+    elif method == "scatter":
+        specs = (_spec(args[0][0]),)
+    elif method == "barrier":
         specs = ()
-    return tuple.__new__(_Op, (name, specs, reduce_op, root, origin))
+    else:  # one output and one input tensor, and for all-to-all their split sizes
+        specs = (_spec(args[0]), _spec(args[1]))
+        if name == "all_to_all_single":
+            splits = (list(args[2]), list(args[3]))
+    return tuple.__new__(_Op, (name, method, specs, reduce_op, root, origin, options, splits))
 
 
 def _line(op: _Op) -> tuple[str, int]:
@@ -395,20 +434,10 @@ def _line(op: _Op) -> tuple[str, int]:
     return (os.path.basename(code.co_filename), line)
 
 
-def _group_root(op: _Op, group: dist.ProcessGroup) -> int | None:
-    if op.root is None:
-        return None
-    global_root, group_root = op.root
-    if group_root is not None:
-        return group_root
-    if global_root is None or group is dist.group.WORLD:
-        return global_root
-    return int(dist.get_group_rank(group, global_root))
-
-
 def _neutral_value(reduce_op: Any, dtype: torch.dtype) -> float | int | bool:
     ops = dist.ReduceOp
-    if reduce_op is None or reduce_op in (ops.SUM, ops.BOR, ops.BXOR):
+    # The options' ReduceOp on the left: a RedOpType does not compare equal to a ReduceOp.
+    if reduce_op is None or any(reduce_op == o for o in (ops.SUM, ops.BOR, ops.BXOR)):
         return 0
     if reduce_op == ops.PRODUCT:
         return 1
@@ -423,8 +452,8 @@ def _neutral_value(reduce_op: Any, dtype: torch.dtype) -> float | int | bool:
     return int(info.max if high else info.min)
 
 
-def _neutral_call(op: _Op, group: dist.ProcessGroup) -> None:
-    """Issue ``op`` with this rank's neutral contribution, into scratch buffers."""
+def _neutral_call(op: _Op, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
+    """Issue ``op`` with this rank's neutral contribution, into scratch buffers, and wait for it."""
 
     def filled(spec: _Spec) -> torch.Tensor:
         return torch.full(spec[0], _neutral_value(op.reduce_op, spec[1]), dtype=spec[1], device=spec[2])
@@ -432,29 +461,56 @@ def _neutral_call(op: _Op, group: dist.ProcessGroup) -> None:
     def scratch(spec: _Spec) -> torch.Tensor:
         return torch.empty(spec[0], dtype=spec[1], device=spec[2])
 
-    call = intercept.original(op.name)
-    if op.name == "all_reduce":
-        call(filled(op.specs[0]), op=op.reduce_op, group=group)
-    elif op.name == "broadcast":
-        assert op.root is not None
-        call(scratch(op.specs[0]), src=op.root[0], group=group, group_src=op.root[1])
-    elif op.name == "reduce":
-        assert op.root is not None
-        call(filled(op.specs[0]), dst=op.root[0], op=op.reduce_op, group=group, group_dst=op.root[1])
-    elif op.name == "all_gather":
-        call([scratch(s) for s in op.specs[:-1]], filled(op.specs[-1]), group=group)
-    elif op.name in ("all_gather_into_tensor", "all_gather_single"):
-        call(scratch(op.specs[0]), filled(op.specs[1]), group=group)
-    elif op.name == "reduce_scatter_tensor":
-        call(scratch(op.specs[0]), filled(op.specs[1]), op=op.reduce_op, group=group)
+    options = type(op.options)()
+    for field in ("reduceOp", "rootRank", "rootTensor"):
+        if hasattr(op.options, field):
+            setattr(options, field, getattr(op.options, field))
+    method, specs = op.method, op.specs
+    args: tuple[Any, ...]
+    if method in ("allreduce", "reduce"):
+        args = ([filled(s) for s in specs],)
+    elif method == "broadcast":
+        args = ([scratch(s) for s in specs],)
+    elif method == "allgather":
+        args = ([[scratch(s) for s in specs[:-1]]], [filled(specs[-1])])
+    elif method == "reduce_scatter":
+        args = ([scratch(specs[0])], [[filled(s) for s in specs[1:]]])
+    elif method == "gather":
+        args = (
+            [[scratch(specs[0]) for _ in range(world_size)]] if op.root == rank else [],
+            [filled(specs[0])],
+        )
+    elif method == "scatter":
+        args = ([scratch(specs[0])], [])
+    elif method == "alltoall":
+        half = len(specs) // 2
+        args = ([scratch(s) for s in specs[:half]], [filled(s) for s in specs[half:]])
+    elif method == "barrier":
+        args = ()
     else:
-        call(group=group)
+        args = (scratch(specs[0]), filled(specs[1]))
+        if op.splits is not None:
+            args += (op.splits[0], op.splits[1])
+    work = intercept.issue(group, method, *args, options)
+    if work is not None:
+        work.wait()
 
 
 def _fingerprint(op: _Op) -> int:
     shapes = [(tuple(shape), str(dtype)) for shape, dtype, _ in op.specs]
     where = _line(op)
-    return zlib.crc32(repr((op.name, shapes, str(op.reduce_op), op.root, where)).encode())
+    return zlib.crc32(repr((op.name, shapes, _reduce_name(op.reduce_op), op.root, op.splits, where)).encode())
+
+
+def _reduce_name(reduce_op: Any) -> str | None:
+    """``SUM``, ``MAX``, ...: a ReduceOp object's repr names no op."""
+    if reduce_op is None:
+        return None
+    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"):
+        known = getattr(dist.ReduceOp, name, None)
+        if known is not None and reduce_op == known:
+            return name
+    return "custom"
 
 
 def _numel(op: _Op) -> int:
@@ -472,10 +528,10 @@ def _describe(op: _Op) -> str:
     tensors = ", ".join(f"{str(dtype).removeprefix('torch.')}{list(shape)}" for shape, dtype, _ in op.specs)
     extra = ""
     if op.reduce_op is not None:
-        extra += f", op={str(op.reduce_op).rsplit('.', 1)[-1]}"
+        extra += f", op={_reduce_name(op.reduce_op)}"
     if op.root is not None:
-        key = "src" if op.name == "broadcast" else "dst"
-        extra += f", {key}={op.root[0] if op.root[1] is None else op.root[1]}"
+        key = "src" if op.name in ("broadcast", "scatter") else "dst"
+        extra += f", {key}={op.root}"
     file, line = _line(op)
     where = "Join's heartbeat" if op.origin[0] is None else f"{file}:{line}"
     return f"{op.name}({tensors}{extra}) at {where}"

@@ -55,6 +55,7 @@ from .registry import (
     register_backend,
 )
 from .rref import RRef
+from .slow_calls import DEFAULT_SLOW_CALL_THRESHOLD, report_slow_calls
 
 PyRRef = RRef
 """torch's other name of :class:`RRef`."""
@@ -74,6 +75,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "DEFAULT_SLOW_CALL_THRESHOLD",
     "AllGatherStates",
     "PyRRef",
     "Store",
@@ -113,6 +115,7 @@ __all__ = [
     "init_rpc",
     "register_backend",
     "remote",
+    "report_slow_calls",
     "rpc_async",
     "rpc_sync",
     "shutdown",

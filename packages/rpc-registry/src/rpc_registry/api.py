@@ -29,6 +29,7 @@ from torch.futures import Future
 from typing_extensions import TypeVarTuple, Unpack
 
 from . import rref as _rref
+from . import slow_calls
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, INSTALL_DEFAULT_BACKEND, UNSET_RPC_TIMEOUT
 from .errors import WorkerNameError, WorkerRefTypeError, not_initialized, operator_call
 from .functions import is_async_execution
@@ -505,10 +506,14 @@ class _RpcState:
     ) -> Future[Message]:
         """Run a plain call in this thread and encode its reply (no future until the reply)."""
         _, func, args, kwargs = request
+        ident = threading.get_ident()
+        slow_calls.running[ident] = (sender.name, _name_of(func), time.monotonic())
         try:
             payload: tuple[object, ...] = ("ok", operator_call(func, args, kwargs))
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             payload = _failure(exc, self._me, sender)
+        finally:
+            slow_calls.running.pop(ident, None)
         return self._encode_reply(payload, sender, context_id)
 
     def _settle(self, call: _Call, value: object, error: BaseException | None) -> None:
@@ -603,7 +608,7 @@ class _RpcState:
                 request = (request[0], self.grad.bind(context_id, request[1]), *request[2:])
             if inline and request[0] == "call" and not is_async_execution(request[1]):
                 return self._call_now(request, sender, context_id)
-            outcome = self._dispatch(request, inline)
+            outcome = self._dispatch(request, inline, sender.name)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             outcome = Future()
             fail(outcome, exc)
@@ -615,15 +620,17 @@ class _RpcState:
         )
         return reply
 
-    def _dispatch(self, request: tuple[Any, ...], inline: bool) -> Future[Any]:
+    def _dispatch(self, request: tuple[Any, ...], inline: bool, caller: str = "") -> Future[Any]:
         kind = request[0]
         if kind == "call":
             _, func, args, kwargs = request
-            return self.run(func, args, kwargs, inline=inline)
+            return self.run(func, args, kwargs, inline=inline, caller=caller)
         if kind == "remote":
             func, args, kwargs, rref_id, fork_id = request[1:]
             value = self.rrefs.create_owned(rref_id, fork_id)
-            self.run(func, args, kwargs, inline=inline).add_done_callback(lambda f: copy_outcome(f, value))
+            self.run(func, args, kwargs, inline=inline, caller=caller).add_done_callback(
+                lambda f: copy_outcome(f, value)
+            )
             return completed(None)
         if kind == "fetch":
             return self.rrefs.value_of(request[1])
@@ -651,12 +658,19 @@ class _RpcState:
             return self.encode(_failure(exc, self._me, dest), dest, reply=True)
 
     def run(
-        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], inline: bool = False
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        inline: bool = False,
+        caller: str = "",
     ) -> Future[Any]:
         """Run ``func`` here (``inline``) or on a worker thread; an ``async_execution`` result is awaited."""
         out: Future[Any] = Future()
 
         def job() -> None:
+            ident = threading.get_ident()
+            slow_calls.running[ident] = (caller, _name_of(func), time.monotonic())
             try:
                 result = operator_call(func, args, kwargs)
                 if not is_async_execution(func):
@@ -673,6 +687,8 @@ class _RpcState:
                     )
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 fail(out, exc)
+            finally:
+                slow_calls.running.pop(ident, None)
 
         if inline:
             job()
@@ -833,6 +849,10 @@ def init_rpc(
             _state = None
             state.close()
             raise
+        me = name
+        slow_calls.set_asker(
+            lambda callee, timeout: rpc_async(callee, slow_calls.handler_stacks, args=(me,), timeout=timeout)
+        )
     logger.info("RPC initialized: %s (rank %d) on backend %r", name, rank, chosen)
 
 
@@ -858,6 +878,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
                 state.rrefs.flush(_left(deadline))
                 state.agent.join(shutdown=True, timeout=_left(deadline))
         finally:
+            slow_calls.set_asker(None)
             _state = None
             _rref.set_context(None)
             state.close()
@@ -1031,7 +1052,12 @@ def rpc_sync(
     _check_callable(func)
     state = _current()
     request = ("call", func, tuple(args or ()), dict(kwargs or {}))
-    result: T = state.request_wait(state.worker(to), request, state.resolve_timeout(timeout))
+    callee = state.worker(to)
+    slow_calls.started_waiting(id(request), callee.name, _name_of(func))
+    try:
+        result: T = state.request_wait(callee, request, state.resolve_timeout(timeout))
+    finally:
+        slow_calls.stopped_waiting(id(request))
     return result
 
 
