@@ -71,3 +71,9 @@ def test_malformed_headers_are_refused(header: object) -> None:
     encoded = json.dumps(header).encode()
     with pytest.raises(ValueError, match=r"^not optimizer state: "):
         decode_state(struct.pack("!Q", len(encoded)) + encoded + b"\0" * 64)
+
+
+def test_a_header_nested_deeply_is_refused_as_not_optimizer_state() -> None:
+    header = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(ValueError, match="nests deeper"):
+        decode_state(struct.pack("!Q", len(header)) + header)

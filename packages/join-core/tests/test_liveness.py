@@ -8,6 +8,8 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -66,6 +68,48 @@ def test_every_surviving_rank_names_a_lost_rank_within_seconds(carries: bool, ho
     with pytest.raises(RanksFailedError) as failed:
         run_ranks(_lose_rank, 3, carries, how, timeout=60)
     # Only the lost rank failed: the survivors' own checks passed.
+    assert list(failed.value.failures) == [2], str(failed.value)
+    assert "exited with code -9" in failed.value.failures[2]
+
+
+def _hog_the_gil(seconds: float) -> None:
+    """Keep the GIL from every other thread for up to 3 s at a time, for ``seconds``: the
+    watch thread runs late, as on a loaded host."""
+    sys.setswitchinterval(3.0)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    sys.setswitchinterval(0.005)
+
+
+def _lose_joined_rank_on_a_loaded_host(rank: int, world_size: int) -> None:
+    """Rank 2 runs out of inputs, shadows the others' collectives and is killed there; the
+    survivors' watch threads are held up meanwhile."""
+    pids = _pids(world_size)
+    joinable = CountingJoinable(False)
+    start = time.monotonic()
+    if rank == 2:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    else:
+        threading.Timer(1.2, _hog_the_gil, (6.0,)).start()
+    try:
+        with Join([joinable]):
+            for _ in range(2 if rank == 2 else 100_000):
+                joinable.step(1.0)
+                time.sleep(0.01)
+        raise AssertionError("the loop ended without noticing the lost rank")
+    except RankLostError as error:
+        assert list(error.ranks) == [2], str(error)
+        assert time.monotonic() - start < 25, f"told after {time.monotonic() - start:.1f} s"
+    finally:
+        if rank != 2:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[2], signal.SIGKILL)
+
+
+def test_every_survivor_names_a_joined_rank_killed_while_their_watch_runs_late() -> None:
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_lose_joined_rank_on_a_loaded_host, 3, timeout=90)
     assert list(failed.value.failures) == [2], str(failed.value)
     assert "exited with code -9" in failed.value.failures[2]
 
@@ -165,6 +209,60 @@ def test_the_rank_serving_the_store_is_named_when_lost() -> None:
         results.close()
     assert seen == ["ok", "ok"]
     assert procs[0].exitcode == -signal.SIGKILL
+
+
+def _frozen_rank_beside_the_store(
+    rank: int, world_size: int, port: int, results: multiprocessing.Queue[str]
+) -> None:
+    """Rank 0 serves the store and leaves as soon as it names the frozen rank 2;
+    rank 1's watch lags behind rank 0's (a longer liveness timeout, as a loaded
+    host gives)."""
+    try:
+        store = TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=60),
+            wait_for_workers=False,
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+        )
+        joinable = CountingJoinable(True)
+        start = time.monotonic()
+        with Join([joinable], liveness_timeout=timedelta(seconds=8 if rank == 1 else 4)):
+            for _ in range(1_000_000):
+                if rank == 2 and time.monotonic() - start > 2:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                joinable.step(1.0)
+        results.put(f"rank {rank}: the loop ended without noticing the lost rank")
+    except RankLostError as error:
+        results.put("ok" if list(error.ranks) == [2] else f"rank {rank}: {error}")
+    except BaseException as error:  # noqa: BLE001 - reported to the test
+        results.put(f"rank {rank}: {type(error).__name__}: {error}")
+
+
+def test_every_survivor_names_the_frozen_rank_when_the_store_serving_rank_leaves_first() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = multiprocessing.get_context("forkserver")
+    results: multiprocessing.Queue[str] = ctx.Queue()
+    procs = [
+        ctx.Process(target=_frozen_rank_beside_the_store, args=(rank, 3, port, results), daemon=True)
+        for rank in range(3)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        seen = [results.get(timeout=60) for _ in range(2)]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(timeout=10)
+        results.close()
+    assert seen == ["ok", "ok"]
 
 
 def _store_unreachable(rank: int, world_size: int) -> str:

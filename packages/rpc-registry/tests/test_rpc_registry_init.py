@@ -291,3 +291,13 @@ def test_a_subclass_of_rpc_backend_options_setting_init_method_starts_rpc(tmp_pa
 def test_options_of_no_backend_without_backend_say_it_cannot_be_inferred(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="Could not infer backend for options"):
         init_rpc("foo", rank=0, world_size=1, rpc_backend_options=_FileOptions(f"file://{tmp_path / 's'}"))
+
+
+def test_a_lone_rank_fails_within_its_rendezvous_timeout_and_one_second() -> None:
+    options = SocketOptions(
+        rpc_timeout=0.5, init_method=f"tcp://127.0.0.1:{_free_port()}", rendezvous_timeout=5.0
+    )
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"after \d\.\d s of at most 5 s"):
+        init_rpc("alone", backend=socket_backend(), rank=1, world_size=2, rpc_backend_options=options)
+    assert time.monotonic() - start <= 6.0

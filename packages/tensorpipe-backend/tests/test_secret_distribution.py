@@ -4,27 +4,31 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import stat
-from collections.abc import Callable
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from torch._C._distributed_c10d import HashStore, TCPStore
-from tpb_workers import CONTEXT, backend, free_port, options, spawned
+from tpb_workers import CONTEXT, backend, free_port, options, spawned, whoami
 
-from rpc_registry import init_rpc, shutdown
-from tensorpipe_backend import get_current_agent
+from rpc_registry import init_rpc, rpc_sync, shutdown
+from tensorpipe_backend import get_current_agent, secret_file
 from tensorpipe_backend.auth import AuthenticationError, PeerIdentity, client_handshake
 from tensorpipe_backend.secret import (
     AUTH_TOKEN_ENV,
     INSECURE_SECRET_KEY,
     SECRET_FILE_KEY,
     resolve_secret,
-    secret_dir,
 )
+from tensorpipe_backend.secret_file import secret_base
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -44,19 +48,18 @@ def serve_without_token(
     shutdown(graceful=False)
 
 
-def _read_as_nobody(path: str) -> str:
-    """Try to read ``path`` as uid nobody in a forked child; what it got, or the error's name."""
+def _as_nobody(action: Callable[[], bytes]) -> str:
+    """Run ``action`` as uid nobody in a forked child; what it returned, or the error's name."""
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: drop to nobody, try, report, exit without cleanup handlers
+    if pid == 0:  # the child: drop to nobody, act, report, exit without cleanup handlers
         try:
             os.close(read_end)
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
             try:
-                with open(path, "rb") as file:
-                    outcome = b"read:" + file.read(100)
+                outcome = action()
             except OSError as exc:
                 outcome = type(exc).__name__.encode()
             os.write(write_end, outcome)
@@ -67,6 +70,16 @@ def _read_as_nobody(path: str) -> str:
         outcome_text = pipe.read().decode(errors="replace")
     os.waitpid(pid, 0)
     return outcome_text
+
+
+def _read_as_nobody(path: str) -> str:
+    """Try to read ``path`` as uid nobody; what it got, or the error's name."""
+
+    def read() -> bytes:
+        with open(path, "rb") as file:
+            return b"read:" + file.read(100)
+
+    return _as_nobody(read)
 
 
 def _stolen_secrets(port: int) -> list[bytes]:
@@ -107,10 +120,16 @@ def test_another_local_user_who_reads_the_store_cannot_authenticate() -> None:
             assert not [s for s in candidates if _authenticates(addresses["s0"], s)], (
                 "a secret read from the store passed the handshake"
             )
-            assert _read_as_nobody(str(secret_dir())) == "PermissionError"
+            path = json.loads(TCPStore("127.0.0.1", port, is_master=False).get(SESSION + SECRET_FILE_KEY))
+            assert _read_as_nobody(str(Path(path["path"]).parent)) == "PermissionError"
         finally:
             done.set()
     assert [w.exitcode for w in workers] == [0, 0]
+
+
+def _dir_of(pid: int) -> Path:
+    """Where a secret directory of process ``pid`` of this user would be (its random part zeros)."""
+    return secret_base() / f"tensorpipe-backend-{os.getuid()}-{pid}-{'0' * 32}"
 
 
 def test_insecure_true_publishes_the_secret_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
@@ -138,7 +157,7 @@ def test_workers_of_one_user_and_host_find_the_same_secret_in_a_private_file(
 def test_a_worker_on_another_host_is_told_how_to_pass_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
     store = HashStore()
-    store.set(SECRET_FILE_KEY, json.dumps({"path": str(secret_dir() / f"secret-1-{'0' * 32}"), "host": "h0"}))
+    store.set(SECRET_FILE_KEY, json.dumps({"path": str(_dir_of(1) / "secret"), "host": "h0"}))
     with pytest.raises(RuntimeError, match=f"does not exist on this host.*{AUTH_TOKEN_ENV}.*insecure=True"):
         resolve_secret(None, store, 1, True, 5.0)
 
@@ -149,6 +168,10 @@ def test_a_worker_on_another_host_is_told_how_to_pass_a_token(monkeypatch: pytes
         "not json",
         json.dumps({"path": "/etc/passwd", "host": "h0"}),
         json.dumps({"path": "/tmp/../etc/secret-1-" + "0" * 32, "host": "h0"}),
+        json.dumps(
+            {"path": f"/tmp/../tmp/tensorpipe-backend-{os.getuid()}-1-{'0' * 32}/secret", "host": "h0"}
+        ),
+        json.dumps({"path": f"/tmp/tensorpipe-backend-{os.getuid() + 1}-1-{'0' * 32}/secret", "host": "h0"}),
     ],
 )
 def test_a_forged_store_entry_is_refused(monkeypatch: pytest.MonkeyPatch, published: str) -> None:
@@ -175,7 +198,203 @@ def test_files_of_dead_processes_are_swept(monkeypatch: pytest.MonkeyPatch) -> N
     child.start()
     child.join()
     assert child.pid is not None
-    stale = secret_dir() / f"secret-{child.pid}-{'a' * 32}"
-    stale.write_text("0" * 64)
+    stale = _dir_of(child.pid)
+    stale.mkdir(mode=0o700)
+    (stale / "secret").write_text("0" * 64)
     resolve_secret(None, HashStore(), 0, True, 5.0)
     assert not stale.exists()
+
+
+@pytest.fixture
+def sticky_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh sticky, world-writable directory, as /tmp is, made the temporary directory."""
+    base = Path(tempfile.mkdtemp())
+    base.chmod(0o1777)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(base))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    yield base
+    shutil.rmtree(base)
+
+
+def _squat(path: Path, link_to: Path | None = None) -> None:
+    """As uid nobody, take ``path`` (a directory of mode 0700, or a symlink to ``link_to``)."""
+
+    def take() -> bytes:
+        if link_to is None:
+            path.mkdir(mode=0o700)
+        else:
+            path.symlink_to(link_to)
+        return b"taken"
+
+    assert _as_nobody(take) == "taken"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to uid nobody needs root")
+def test_a_job_starts_when_another_user_squatted_the_usual_secret_directory(
+    monkeypatch: pytest.MonkeyPatch, sticky_tmp: Path
+) -> None:
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    base = sticky_tmp
+    _squat(base / f"tensorpipe-backend-{os.getuid()}")
+    store = HashStore()
+    made = resolve_secret(None, store, 0, True, 5.0)
+    assert resolve_secret(None, store, 1, True, 5.0) == made
+    assert Path(json.loads(store.get(SECRET_FILE_KEY))["path"]).parent.parent == base
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to uid nobody needs root")
+@pytest.mark.parametrize("as_link", [False, True])
+def test_a_secret_is_never_written_through_a_name_another_user_took(
+    monkeypatch: pytest.MonkeyPatch, sticky_tmp: Path, as_link: bool
+) -> None:
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    base = sticky_tmp
+    target = base / "theirs"
+    target.mkdir()
+    target.chmod(0o777)
+    # The attacker knows the next name drawn (as if it could guess it) and takes it first.
+    names = iter(
+        [f"tensorpipe-backend-{os.getuid()}-{os.getpid()}-{'1' * 32}", f"tensorpipe-backend-x-{'2' * 32}"]
+    )
+    monkeypatch.setattr(secret_file, "_draw_name", lambda uid: next(names))
+    taken = base / f"tensorpipe-backend-{os.getuid()}-{os.getpid()}-{'1' * 32}"
+    _squat(taken, target if as_link else None)
+    store = HashStore()
+    made = resolve_secret(None, store, 0, True, 5.0)
+    path = Path(json.loads(store.get(SECRET_FILE_KEY))["path"])
+    assert path.parent.name == f"tensorpipe-backend-x-{'2' * 32}"
+    assert path.read_text() == made.hex()
+    assert list(target.iterdir()) == []
+    assert list(taken.iterdir()) == []
+
+
+def make_secret_then_wait(paths: Any) -> None:
+    """Make the job's secret file as rank 0 of a static group would, report its path, wait to be ended."""
+    os.environ.pop(AUTH_TOKEN_ENV, None)
+    store = HashStore()
+    resolve_secret(None, store, 0, True, 5.0)
+    paths.put(json.loads(store.get(SECRET_FILE_KEY))["path"])
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_secret_file_goes_when_its_maker_is_ended_by_a_signal(sig: signal.Signals) -> None:
+    paths = CONTEXT.Queue()
+    with spawned([(make_secret_then_wait, (paths,))], timeout=10) as (maker,):
+        path = Path(paths.get(timeout=30))
+        assert path.exists()
+        assert maker.pid is not None
+        os.kill(maker.pid, sig)
+        maker.join(10)
+        deadline = time.monotonic() + 5
+        while path.parent.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert maker.exitcode == -sig
+    assert not path.exists()
+    assert not path.parent.exists()
+
+
+def dynamic_member_without_token(name: str, rank: int, init_method: str, results: Any, leave: Any) -> None:
+    """Join a dynamic group with no token; report; call the other members when told to leave, then leave."""
+    os.environ.pop(AUTH_TOKEN_ENV, None)
+    try:
+        init_rpc(name, backend(), rank, None, options(init_method, auth_token=None))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((name, f"{type(exc).__name__}: {exc}"))
+        return
+    results.put((name, "joined"))
+    leave.wait(60)
+    others = [i.name for i in get_current_agent().get_worker_infos() if i.name != name]
+    results.put((name, sorted(rpc_sync(other, whoami) for other in others)))
+    shutdown(graceful=True, timeout=30.0)
+
+
+def test_a_dynamic_member_joins_after_the_secrets_maker_left() -> None:
+    port = free_port()
+    # The store outlives the workers, as a launcher's agent hosts it.
+    store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False)
+    init_method = f"tcp://127.0.0.1:{port}"
+    results = CONTEXT.Queue()
+    leave = {name: CONTEXT.Event() for name in ("a", "b", "c")}
+    member = dynamic_member_without_token
+    with spawned([(member, ("a", 1, init_method, results, leave["a"]))]) as (a,):
+        assert results.get(timeout=40) == ("a", "joined")
+        with spawned([(member, ("b", 2, init_method, results, leave["b"]))]):
+            assert results.get(timeout=40) == ("b", "joined")
+            leave["a"].set()
+            assert results.get(timeout=40) == ("a", ["b"])
+            a.join(30)
+            assert a.exitcode == 0
+            with spawned([(member, ("c", 3, init_method, results, leave["c"]))]):
+                assert results.get(timeout=40) == ("c", "joined")
+                leave["c"].set()
+                assert results.get(timeout=40) == ("c", ["b"])
+            leave["b"].set()
+            assert results.get(timeout=40) == ("b", [])
+    del store
+
+
+def init_reporting_how_it_failed(
+    name: str, rank: int, init_method: str, results: Any, insecure: bool, elsewhere: bool
+) -> None:
+    """Join a static group of 2 with no token; report how long init_rpc took and how it failed.
+    ``elsewhere``: this worker finds no secret file, as on another host."""
+    os.environ.pop(AUTH_TOKEN_ENV, None)
+    if elsewhere:
+
+        def not_on_this_host(path: Path) -> bytes:
+            raise FileNotFoundError(str(path))
+
+        import tensorpipe_backend.secret
+
+        setattr(tensorpipe_backend.secret, "read_secret_file", not_on_this_host)  # noqa: B010 - patched in this process
+    started = time.monotonic()
+    try:
+        init_rpc(name, backend(), rank, 2, options(init_method, auth_token=None, insecure=insecure))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, time.monotonic() - started, f"{type(exc).__name__}: {exc}"))
+        return
+    results.put((rank, time.monotonic() - started, "joined"))
+    shutdown(graceful=False)
+
+
+@pytest.mark.parametrize(
+    ("insecure", "elsewhere", "cause"),
+    [
+        ((False, False), (False, True), "does not exist on this host"),
+        ((True, False), (False, False), "insecure"),
+        ((False, True), (False, False), "insecure"),
+    ],
+    ids=["rank1-on-another-host", "insecure-on-rank0-only", "insecure-on-rank1-only"],
+)
+def test_a_worker_that_cannot_get_the_secret_fails_fast_on_both_sides_naming_the_cause(
+    insecure: tuple[bool, bool], elsewhere: tuple[bool, bool], cause: str
+) -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results = CONTEXT.Queue()
+    targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+        (init_reporting_how_it_failed, (f"f{r}", r, init_method, results, insecure[r], elsewhere[r]))
+        for r in range(2)
+    ]
+    with spawned(targets):
+        outcomes = sorted(results.get(timeout=60) for _ in range(2))
+    for rank, elapsed, error in outcomes:
+        assert cause in error, (rank, error)
+        assert elapsed < 8, f"rank {rank} took {elapsed:.1f} s of its 20 s timeout to fail: {error}"
+    assert "rank 1 could not join" in outcomes[0][2]
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_secret_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    store = HashStore()
+    resolve_secret(None, store, 0, True, 5.0)
+    path = Path(json.loads(store.get(SECRET_FILE_KEY))["path"])
+    pid = os.fork()
+    if pid == 0:  # the child exits as a script does, running its exit handlers
+        try:
+            secret_file._remove_all()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert path.exists()

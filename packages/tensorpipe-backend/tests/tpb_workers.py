@@ -5,6 +5,7 @@ Spawned workers import this module by name, so everything they run lives here.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import multiprocessing.context
@@ -502,3 +503,73 @@ def serve_and_report(name: str, rank: int, world_size: int, init_method: str, re
     start = time.monotonic()
     outcome = _error_text(lambda: shutdown(graceful=True, timeout=30.0))
     results.put(("done", name, outcome, time.monotonic() - start))
+
+
+def listening_addresses() -> tuple[tuple[str, int], bytes]:
+    """This worker's TCP address and the name of its Unix socket (abstract namespace)."""
+    agent = get_current_agent()
+    local = agent._local_listener
+    return agent.address, b"" if local is None else local.getsockname()
+
+
+def _garbage() -> list[bytes]:
+    """What a stranger might send to a worker's ports: pickles, noise, huge length prefixes."""
+    import struct
+
+    huge = struct.pack("!Q", 1 << 40)
+    return [
+        pickle.dumps(("whoami", list(range(100)))),
+        os.urandom(4096),
+        huge * 64,
+        b"TPBA" + os.urandom(600),
+        b"\xff" * 10_000,
+        b"",
+    ]
+
+
+_kept: list[socket.socket] = []
+
+
+def send_garbage(addresses: tuple[tuple[str, int], bytes], connections: int = 48) -> int:
+    """Open ``connections`` connections to a worker's TCP port and Unix socket, send garbage on each
+    and keep them open; how many were opened."""
+    (host, port), local = addresses
+    for i in range(connections):
+        if i % 2 and local:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(local)
+        else:
+            sock = socket.create_connection((host, port), timeout=5)
+        with contextlib.suppress(OSError):
+            sock.sendall(_garbage()[i % 6])
+        _kept.append(sock)
+    return connections
+
+
+def close_garbage() -> None:
+    """Close the connections :func:`send_garbage` kept open."""
+    for sock in _kept:
+        sock.close()
+    _kept.clear()
+
+
+def garbage_then_call(
+    name: str, rank: int, world_size: int, init_method: str, results: Any, done: Any, tcp: bool = False
+) -> None:
+    """w0: call w1, send garbage to w1's ports; w1 then makes its first call to w0, and more."""
+    if tcp:
+        as_another_host()
+    init_rpc(name, backend(), rank, world_size, options(init_method))
+    outcomes = [_error_text(lambda: rpc_sync("w1", whoami))]
+    send_garbage(rpc_sync("w1", listening_addresses))
+    for _ in range(10):
+        outcomes.append(_error_text(lambda: rpc_sync("w1", ask_whoami, args=("w0",))))
+    outcomes.append(_error_text(lambda: rpc_sync("w1", send_garbage, args=(listening_addresses(),))))
+    for _ in range(10):
+        outcomes.append(_error_text(lambda: rpc_sync("w1", ask_whoami, args=("w0",))))
+        outcomes.append(_error_text(lambda: rpc_sync("w1", whoami)))
+    outcomes.append(_error_text(lambda: rpc_sync("w1", close_garbage)))
+    close_garbage()
+    results.put(outcomes)
+    done.set()
+    shutdown(graceful=False)

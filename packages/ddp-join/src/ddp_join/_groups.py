@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,15 +29,30 @@ def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
     return int(dist.get_global_rank(group, group_rank))
 
 
-def gather_bytes(data: bytes, dst: int, group: dist.ProcessGroup) -> list[bytes] | None:
+def gather_bytes(
+    data: bytes, dst: int, group: dist.ProcessGroup, limits: Sequence[int] | None = None
+) -> list[bytes] | None:
     """Every rank's ``data`` gathered on group rank ``dst`` (a list in rank
-    order there, None elsewhere). The bytes stay bytes: nothing is unpickled."""
+    order there, None elsewhere). The bytes stay bytes: nothing is unpickled.
+    With ``limits`` (bytes, by group rank), every rank raises ``ValueError``
+    alike when one rank's data is longer than its limit, before anything that
+    size is allocated."""
     # NCCL moves only CUDA tensors; gloo and others take CPU ones.
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sizes, size, group=group)
+    if limits is not None:
+        over = [
+            (r, int(n), limit) for r, (n, limit) in enumerate(zip(sizes, limits)) if not 0 <= int(n) <= limit
+        ]
+        if over:
+            r, n, limit = over[0]
+            raise ValueError(
+                f"rank {r} of the group announced {n} bytes, and at most {limit} are accepted from it "
+                "(what its share could take); nothing was gathered"
+            )
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     if data:

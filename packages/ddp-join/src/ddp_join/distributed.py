@@ -18,7 +18,14 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 from ddp_join._dist_autograd import distributed_backward_running
 from ddp_join._groups import global_rank, resolve_group
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook
-from join_core import DEFAULT_HANG_TIMEOUT, DEFAULT_LIVENESS_TIMEOUT, Join, JoinHook, record_collectives
+from join_core import (
+    DEFAULT_HANG_TIMEOUT,
+    DEFAULT_LIVENESS_TIMEOUT,
+    Join,
+    JoinHook,
+    install_exit_grace,
+    record_collectives,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -243,6 +250,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
+        install_exit_grace()  # this module holds the process group's threads to interpreter exit
         _reject_unsupported(
             delay_all_reduce_named_params, param_to_hook_all_reduce, skip_all_reduce_unused_params
         )

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ddp_join._groups import all_gather_bytes
-from join_core import Join, JoinHook, record_collectives
+from join_core import Join, JoinHook, install_exit_grace, record_collectives
 
 __all__ = ["FSDPJoinable"]
 
@@ -91,6 +91,7 @@ class FSDPJoinable:
                 f"FSDPJoinable(module={type(module).__name__}): not an FSDP module; "
                 "call torch.distributed.fsdp.fully_shard(module) first"
             )
+        install_exit_grace()  # FSDP2's module holds the process group's threads to interpreter exit
         meshes = []
         for param in module.parameters():
             if isinstance(param, DTensor) and param.device_mesh not in meshes:
@@ -218,7 +219,15 @@ class FSDPJoinable:
         described = all_gather_bytes(mine, self._device, self._group, _MAX_DESCRIPTION)
         if self._last_input is None:
             text = next(d for d in described if d)
-            rebuilt = _rebuild(json.loads(text), self._device)
+            rebuilt = _rebuild(_parse_description(text), self._device)
+            if not (
+                isinstance(rebuilt, tuple)
+                and len(rebuilt) == 3
+                and isinstance(rebuilt[0], (tuple, list))
+                and isinstance(rebuilt[1], dict)
+                and isinstance(rebuilt[2], bool)
+            ):
+                raise _malformed("input", "not (positional arguments, keyword arguments, grad enabled)")
             args, kwargs, with_grad = rebuilt
             self._last_input = (tuple(args), dict(kwargs), bool(with_grad))
 
@@ -315,33 +324,93 @@ def _describe(value: Any) -> Any:
     return {"unsupported": type(value).__name__}
 
 
-def _rebuild(described: Any, device: torch.device) -> Any:
-    """The input a :func:`_describe` description stands for, tensors on ``device``."""
+#: How deeply a peer's input description may nest (an input is a few containers deep).
+_MAX_DEPTH: Final = 32
+_PLAIN: Final = (type(None), bool, int, float, str)
+
+
+def _malformed(where: str, what: str) -> ValueError:
+    return ValueError(f"FSDPJoinable: a peer's input description: {where}: {what}")
+
+
+def _parse_description(text: bytes) -> Any:
+    """The JSON of a peer's input description; ``ValueError`` if it is not JSON or nests too deeply."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise _malformed(
+            "input", f"nested more than the parser allows (at most {_MAX_DEPTH} levels)"
+        ) from None
+    except ValueError as exc:
+        raise _malformed("input", f"not JSON ({exc})") from None
+
+
+def _rebuild(described: Any, device: torch.device, where: str = "input", depth: int = 0) -> Any:
+    """The input a :func:`_describe` description stands for, tensors on ``device``.
+
+    A description comes from a peer: each field is checked before it is used,
+    and a wrong one raises ``ValueError`` (or ``TypeError`` for an input this
+    rank cannot replay) naming it; nothing larger than the description is built.
+    """
+    if depth > _MAX_DEPTH:
+        raise _malformed(where, f"nested more than {_MAX_DEPTH} levels")
     if not isinstance(described, dict) or len(described) == 0:
-        raise ValueError(f"FSDPJoinable: a malformed input description from a peer: {described!r}")
+        raise _malformed(where, f"not a description: {str(described)[:80]!r}")
     if "tensor" in described:
-        dtype = getattr(torch, str(described["tensor"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"FSDPJoinable: a peer's input has an unknown dtype {described['tensor']!r}")
-        shape = [int(n) for n in described["shape"]]
-        if not shape:
-            return torch.tensor(described["value"], dtype=dtype, device=device)
-        if shape[0] != 0:
-            raise ValueError("FSDPJoinable: a peer described an input tensor that is not empty")
-        return torch.empty(shape, dtype=dtype, device=device)
-    if "tuple" in described:
-        return tuple(_rebuild(v, device) for v in described["tuple"])
-    if "list" in described:
-        return [_rebuild(v, device) for v in described["list"]]
+        return _rebuild_tensor(described, device, where)
+    if "tuple" in described or "list" in described:
+        kind = "tuple" if "tuple" in described else "list"
+        items = described[kind]
+        if not isinstance(items, list):
+            raise _malformed(f"{where}.{kind}", f"a {type(items).__name__}, not a list")
+        rebuilt = [_rebuild(v, device, f"{where}[{i}]", depth + 1) for i, v in enumerate(items)]
+        return tuple(rebuilt) if kind == "tuple" else rebuilt
     if "dict" in described:
-        return {str(k): _rebuild(v, device) for k, v in described["dict"].items()}
+        items = described["dict"]
+        if not isinstance(items, dict):
+            raise _malformed(f"{where}.dict", f"a {type(items).__name__}, not an object")
+        return {str(k): _rebuild(v, device, f"{where}[{k!r}]", depth + 1) for k, v in items.items()}
     if "unsupported" in described:
         raise TypeError(
             f"FSDPJoinable: this rank had no batch in the Join and cannot replay its peers' input: it holds "
-            f"a {described['unsupported']}; give every rank at least one batch, or inputs made of tensors "
-            "and plain values"
+            f"a {str(described['unsupported'])[:80]}; give every rank at least one batch, or inputs made of "
+            "tensors and plain values"
         )
-    return described["value"]
+    if "value" not in described:
+        raise _malformed(where, f"none of tensor, tuple, list, dict, value in {sorted(described)[:8]}")
+    value = described["value"]
+    if not isinstance(value, _PLAIN):
+        raise _malformed(f"{where}.value", f"a {type(value).__name__}, not a plain value")
+    return value
+
+
+def _rebuild_tensor(described: dict[str, Any], device: torch.device, where: str) -> torch.Tensor:
+    dtype = getattr(torch, described["tensor"], None) if isinstance(described["tensor"], str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise _malformed(f"{where}.tensor", f"unknown dtype {str(described['tensor'])[:80]!r}")
+    shape = described.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_DEPTH
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 62 for n in shape)
+    ):
+        raise _malformed(f"{where}.shape", f"not a list of at most {_MAX_DEPTH} sizes: {str(shape)[:80]}")
+    if shape:
+        if shape[0] != 0:
+            raise _malformed(f"{where}.shape", f"{shape} is not empty along dimension 0")
+        try:
+            return torch.empty(shape, dtype=dtype, device=device)
+        except RuntimeError as exc:
+            raise _malformed(f"{where}.shape", f"{shape} ({exc})") from None
+    value = described.get("value")
+    if value is None:  # a complex scalar: described without its value
+        return torch.zeros((), dtype=dtype, device=device)
+    if not isinstance(value, (bool, int, float)):
+        raise _malformed(f"{where}.value", f"a {type(value).__name__}, not a number for a scalar tensor")
+    try:
+        return torch.tensor(value, dtype=dtype, device=device)
+    except (RuntimeError, OverflowError, TypeError, ValueError) as exc:
+        raise _malformed(f"{where}.value", f"{value!r} does not fit {dtype} ({exc})") from None
 
 
 def _empty_slice(value: Any) -> Any:

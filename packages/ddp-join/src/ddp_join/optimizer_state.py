@@ -18,7 +18,7 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ["DTYPES", "decode_state", "encode_state"]
+__all__ = ["DTYPES", "decode_state", "encode_state", "state_limit"]
 
 #: The tensor dtypes optimizer state may hold, by name.
 DTYPES: Final[dict[str, torch.dtype]] = {
@@ -32,6 +32,20 @@ _LENGTH: Final = struct.Struct("!Q")
 _PLAIN: Final = (bool, int, float, str, type(None))
 
 OptimizerState = dict[int, dict[str, Any]]
+
+
+#: What :func:`state_limit` allows, generously: per parameter, this many tensors of its size at
+#: the widest dtype (Adam keeps three and a step), and room for names and scalars; per shard, a header.
+_TENSORS_PER_PARAM: Final = 8
+_WIDEST: Final = 16  # bytes of a complex128
+_PER_PARAM: Final = 4096
+_PER_SHARD: Final = 1 << 20
+
+
+def state_limit(params: list[torch.Tensor]) -> int:
+    """The most bytes :func:`encode_state` can take for the state of an optimizer over ``params``:
+    what a rank accepts from a peer before it allocates anything for it."""
+    return _PER_SHARD + sum(_PER_PARAM + _TENSORS_PER_PARAM * _WIDEST * p.numel() for p in params)
 
 
 def encode_state(state: OptimizerState) -> bytes:
@@ -86,8 +100,12 @@ def decode_state(data: bytes) -> OptimizerState:
                     continue
                 dtype_name, shape = rest
                 dtype = DTYPES[dtype_name]
+                if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                    raise ValueError(
+                        f"tensor {name!r} of parameter {index}: shape {str(shape)[:80]} is not sizes"
+                    )
                 size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-                if offset + size > len(data) or any(d < 0 for d in shape):
+                if offset + size > len(data):
                     raise ValueError(f"tensor {name!r} of parameter {index} runs past the data")
                 if size:
                     flat = torch.frombuffer(bytearray(data[offset : offset + size]), dtype=torch.uint8)
@@ -98,6 +116,8 @@ def decode_state(data: bytes) -> OptimizerState:
             state[int(index)] = values
     except (struct.error, TypeError, KeyError, ValueError, AttributeError) as error:  # JSON errors too
         raise ValueError(f"not optimizer state: {error}") from None
+    except RecursionError:
+        raise ValueError("not optimizer state: its header nests deeper than optimizer state does") from None
     if offset != len(data):
         raise ValueError(f"not optimizer state: {len(data) - offset} bytes left over")
     return state

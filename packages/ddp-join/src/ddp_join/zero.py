@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_join._groups import gather_bytes, global_rank, resolve_group
-from ddp_join.optimizer_state import decode_state, encode_state
-from join_core import Join, JoinHook, record_collectives
+from ddp_join.optimizer_state import decode_state, encode_state, state_limit
+from join_core import Join, JoinHook, install_exit_grace, record_collectives
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -77,6 +77,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._consolidated: list[dict[int, Any]] | None = None
         self._stepped = 0  # heartbeats of the current Join when step() last finished
         super().__init__(params, defaults)
+        install_exit_grace()  # the optimizer holds the process group's threads to interpreter exit
         for param_group in self.param_groups:
             self._assign(param_group["params"])
         self.optim: torch.optim.Optimizer = optimizer_class(
@@ -228,7 +229,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         local = self.optim.state_dict()
         local_params = [p for g in self.optim.param_groups for p in g["params"]]
         mine = encode_state({index[id(local_params[i])]: state for i, state in local["state"].items()})
-        gathered = gather_bytes(mine, to, self.process_group)
+        limits = [state_limit(self._owned_by(r)) for r in range(self.world_size)]
+        try:
+            gathered = gather_bytes(mine, to, self.process_group, limits)
+        except ValueError as exc:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer.consolidate_state_dict: optimizer state: {exc}"
+            ) from None
         self._consolidated = None if gathered is None else [decode_state(shard) for shard in gathered]
 
     def state_dict(self) -> dict[str, Any]:

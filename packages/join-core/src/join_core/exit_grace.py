@@ -14,7 +14,10 @@ requests 157193 and 179291).
 
 Releasing the GIL once at exit, while the interpreter is still whole, lets
 such a thread take it and finish. The release is registered once per
-process, the first time a :class:`join_core.Join` is built, not at import.
+process, not at import: the first time a :class:`join_core.Join` is built,
+one of ddp-join's entry points (``DistributedDataParallel``,
+``ZeroRedundancyOptimizer``, ``FSDPJoinable``), which hold a process group
+without a Join, or ``rpc_registry.init_rpc``.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ stranger who can write to it can at worst make a rank look lost or alive.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -57,12 +58,16 @@ BEATS_PER_TIMEOUT: Final = 5
 #: After a verdict, how many heartbeat intervals the main thread gets to leave
 #: the Join before this rank's connections to every rank are shut down.
 ESCALATE_AFTER_BEATS: Final = 2
+#: How long, in liveness timeouts, a failed collective may wait for a verdict
+#: while some rank has not beaten since (a loaded host delays the watch).
+VERDICT_WAIT_TIMEOUTS: Final = 3
 
 _LEFT: Final = "left"
 _STORE_HOST: Final = "store"  # in a rank's published endpoints: its process serves the store
 _BEAT_BYTES: Final = 32  # a heartbeat is a short counter; longer values are cut
 _MAX_ENDPOINTS_BYTES: Final = 64 * 1024
 _MAX_ENDPOINTS: Final = 4096
+_MAX_VERDICT_BYTES: Final = 64 * 1024
 
 _Endpoint = tuple[str, int]
 
@@ -155,6 +160,9 @@ class LivenessWatchdog:
         self._verdict: dict[int, str] = {}
         self._store_port: int | None = None
         self._store_lost = False  # set by the thread: then it writes nothing more
+        self._hosts_store = False  # this process serves the store: it outlives the others' reading
+        self._departed: set[int] = set()  # ranks that left their Join (set by the thread)
+        self._beats_seen: dict[int, int] = {}  # rank -> how often its counter was seen moving (the thread's)
         # Not a daemon: the interpreter waits for it at exit (a thread killed inside torch's store
         # client aborts the process), and stop() need not.
         self._thread = threading.Thread(target=self._run, name="join-liveness", daemon=False)
@@ -167,7 +175,8 @@ class LivenessWatchdog:
         that freezes right after entering its Join is watched all the same."""
         store = self._group.get_group_store()
         self._store_port = _store_port(store)
-        published = _encode(*_own_endpoints(self._store_port))
+        endpoints, self._hosts_store = _own_endpoints(self._store_port)
+        published = _encode(endpoints, self._hosts_store)
         # One round trip; endpoints first: a rank whose heartbeat is seen has published them.
         keys, values = [self._endpoints_key(self._rank), self._key(self._rank)], [published, "0"]
         if self._collectives is not None:
@@ -195,8 +204,13 @@ class LivenessWatchdog:
 
     def wait_for_verdict(self) -> dict[int, str]:
         """The lost ranks, waiting long enough for a rank that died just now
-        to be judged: call it when a collective failed."""
-        self._verdict_ready.wait(self._timeout.total_seconds() + 2 * self._interval)
+        to be judged: call it when a collective failed.
+
+        Returns as soon as there is a verdict, or every watched rank was seen
+        beating twice since the failure (once could be a beat written before
+        it died), or the watch stopped; at most ``VERDICT_WAIT_TIMEOUTS``
+        liveness timeouts."""
+        self._await_verdict()
         return self.lost()
 
     def failure(self) -> BaseException | None:
@@ -205,9 +219,27 @@ class LivenessWatchdog:
 
     def wait_for_failure(self) -> BaseException | None:
         """What made a collective fail, as the error to raise: RankLostError or
-        CollectiveDesyncError; None if no verdict came in time."""
-        self._verdict_ready.wait(self._timeout.total_seconds() + 2 * self._interval)
+        CollectiveDesyncError; None if no verdict came in time (see
+        :meth:`wait_for_verdict`)."""
+        self._await_verdict()
         return self._failure if self._verdict_ready.is_set() else None
+
+    def _await_verdict(self) -> None:
+        """Wait, after a failed collective, until there is a verdict, or every
+        watched rank was seen beating twice since (once could be a beat written
+        before it died), or the watch stopped; at most ``VERDICT_WAIT_TIMEOUTS``
+        liveness timeouts."""
+        before = dict(self._beats_seen)
+        deadline = time.monotonic() + VERDICT_WAIT_TIMEOUTS * self._timeout.total_seconds()
+        while not self._verdict_ready.wait(self._interval):
+            seen = dict(self._beats_seen)
+            alive = all(
+                seen.get(rank, 0) >= before.get(rank, 0) + 2
+                for rank in range(self._world_size)
+                if rank != self._rank and rank not in self._departed
+            )
+            if alive or time.monotonic() > deadline or not self._thread.is_alive():
+                break
 
     # The thread.
 
@@ -232,6 +264,8 @@ class LivenessWatchdog:
             if self._collectives is not None and not self._store_lost:
                 with suppress(Exception):  # a report the others wait for: finish it
                     self._collectives.finish_report(store)
+            if self._hosts_store and self._verdict_ready.is_set() and not self._store_lost:
+                self._await_verdict_read(store)
             if not self._store_lost:
                 with suppress(Exception):  # nothing waits on this
                     store.set(own, _LEFT)
@@ -246,6 +280,37 @@ class LivenessWatchdog:
 
     def _endpoints_key(self, rank: int) -> str:
         return f"{self._prefix}endpoints/{rank}"
+
+    def _verdict_key(self) -> str:
+        return f"{self._prefix}verdict"
+
+    def _read_key(self, rank: int) -> str:
+        return f"{self._prefix}verdict-read/{rank}"
+
+    def _await_verdict_read(self, store: Store) -> None:
+        """Keep the store this process serves until every other survivor read the verdict (at
+        most one liveness timeout): torn down first, it would look lost to them itself."""
+        waiting = [
+            self._read_key(rank)
+            for rank in range(self._world_size)
+            if rank != self._rank and rank not in self._verdict and rank not in self._departed
+        ]
+        if waiting:
+            with suppress(Exception):  # a survivor that never reads it: its own verdict stands
+                store.wait(waiting, self._timeout)
+
+    def _adopt(self, raw: bytes) -> dict[int, str]:
+        """The verdict another rank published (it reached one first), or {} if malformed."""
+        if len(raw) > _MAX_VERDICT_BYTES:
+            return {}
+        try:
+            parsed = json.loads(raw)
+            lost = {int(rank): str(seen)[:500] for rank, seen in parsed.items()}
+        except (ValueError, TypeError, AttributeError, RecursionError):
+            return {}
+        if not lost or not all(0 <= rank < self._world_size and rank != self._rank for rank in lost):
+            return {}
+        return lost
 
     def _watch(self, store: Store, store_port: int | None) -> None:
         others = [rank for rank in range(self._world_size) if rank != self._rank]
@@ -306,6 +371,12 @@ class LivenessWatchdog:
                     if desync is not None:
                         verdict_at = now
                         self._fail(desync, set().union(*endpoints.values()), store_port, None)
+                if verdict_at is None and store.check([self._verdict_key()]):
+                    adopted = self._adopt(store.get(self._verdict_key()))
+                    if adopted:  # one verdict for every rank: the first published
+                        verdict_at = now
+                        peers = set().union(*(endpoints.get(rank, set()) for rank in adopted))
+                        self._judge(adopted, peers, store_port, store)
             except Exception as error:  # noqa: BLE001 - any store failure counts against the store
                 # The call itself may have waited up to the timeout: judge from now.
                 now = time.monotonic()
@@ -337,9 +408,11 @@ class LivenessWatchdog:
                 value = value[:_BEAT_BYTES]
                 if value == _LEFT.encode():
                     departed.add(rank)
+                    self._departed.add(rank)
                 elif value != last.get(rank):
                     last[rank] = value
                     moved[rank] = now
+                    self._beats_seen[rank] = self._beats_seen.get(rank, 0) + 1
             if verdict_at is not None:
                 continue
             silent = {rank: now - moved[rank] for rank in watched if rank not in departed}
@@ -355,6 +428,14 @@ class LivenessWatchdog:
     def _judge(
         self, lost: dict[int, str], peers: set[_Endpoint], store_port: int | None, store: Store | None
     ) -> None:
+        if store is not None:
+            # Published for the others; if one was published first, that one is every rank's verdict.
+            with suppress(Exception):
+                encoded = json.dumps({str(rank): seen for rank, seen in lost.items()})
+                first = self._adopt(store.compare_set(self._verdict_key(), "", encoded))
+                if first and first != lost:
+                    lost = first
+                store.set(self._read_key(self._rank), "1")
         self._verdict = lost
         error = RankLostError(lost)
         record_collectives().set_verdict(self._group.group_name, error)

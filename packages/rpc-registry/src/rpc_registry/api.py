@@ -860,6 +860,11 @@ def init_rpc(
     with _init_lock:
         if _state is not None:
             raise RuntimeError("RPC is already initialized")
+        # The agent's process (and the process groups beside it) exits cleanly even when one of
+        # torch's threads frees a tensor after the script's last line.
+        from join_core import install_exit_grace  # not at import: join_core is only needed here
+
+        install_exit_grace()
         chosen = _choose_backend(backend, rpc_backend_options)
         options = rpc_backend_options or construct_rpc_backend_options(chosen)
         store, rank, world_size = _rendezvous(options, rank, world_size)

@@ -47,6 +47,7 @@ from .group import (
     membership_token,
     publish_signed_record,
     record_key,
+    report_failure,
     set_members,
     static_group_met,
 )
@@ -144,7 +145,14 @@ class TensorPipeAgent:
         self._peers: Peers | None = None
         try:
             self._secret = secret = resolve_secret(
-                options.auth_token, store, rank, world_size is not None, self._init_timeout, options.insecure
+                options.auth_token,
+                store,
+                rank,
+                world_size is not None,
+                self._init_timeout,
+                options.insecure,
+                name,
+                self._holders() if world_size is None else (),
             )
             self._peers = peers = Peers(
                 self._me,
@@ -184,13 +192,23 @@ class TensorPipeAgent:
                 self._join_static(record, world_size)
             else:
                 self._join_dynamic(record)
-        except BaseException:
+        except BaseException as exc:
             self._close_now()
+            if world_size is not None and isinstance(exc, Exception):
+                report_failure(store, rank, exc)
             raise
         _current = weakref.ref(self)
         logger.debug("agent %s (rank %d) listens on %s:%d", name, rank, host, record.port)
 
     # Group set-up.
+    def _holders(self) -> list[str]:
+        """The dynamic group's members (each keeps a copy of the secret), or none if the list is unreadable."""
+        try:
+            return members(self._store)
+        except (ValueError, TypeError) as exc:
+            logger.warning("%s: the store's member list is unreadable: %s", self._me.name, exc)
+            return []
+
     @property
     def _init_timeout(self) -> float:
         return self._rpc_timeout if self._rpc_timeout > 0 else 300.0

@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Final
 
 import torch
@@ -31,6 +30,8 @@ logger: logging.Logger = logging.getLogger(__name__)
 __all__ = [
     "WorkerRecord",
     "gather_signed_records",
+    "raise_if_failed",
+    "report_failure",
     "members",
     "membership_token",
     "publish_signed_record",
@@ -40,6 +41,12 @@ __all__ = [
 _PREFIX: Final = "tensorpipe_backend"
 MEMBERS_KEY: Final = f"{_PREFIX}/members"
 _TOKEN_KEY: Final = f"{_PREFIX}/token"
+_FAILURES_KEY: Final = f"{_PREFIX}/failures"
+_PUBLISHED_KEY: Final = f"{_PREFIX}/static/published"
+# A wait on the store polls (store.wait's timeouts would each log a warning): quickly at first.
+_FIRST_POLL: Final = 0.002
+_POLL: Final = 0.2
+_MAX_FAILURE_TEXT: Final = 2000
 _UNLIMITED: Final = 3600.0 * 24
 
 
@@ -122,6 +129,50 @@ def publish_signed_record(store: Store, record: WorkerRecord, secret: bytes) -> 
     """Publish a static group member's record, signed with the job's secret."""
     key, text = _static_key(record.rank), record.to_json()
     store.set(key, f"{text}\n{_mac(secret, key, text)}")
+    store.add(_PUBLISHED_KEY, 1)
+
+
+def _failure_key(rank: int) -> str:
+    return f"{_PREFIX}/failed/{rank}"
+
+
+def report_failure(store: Store, rank: int, error: BaseException) -> None:
+    """Tell the static group's other members why this one cannot join, so that they fail at once
+    with the cause instead of waiting out their timeout (best effort: the store may be gone)."""
+    try:
+        store.set(_failure_key(rank), f"{type(error).__name__}: {error}"[:_MAX_FAILURE_TEXT])
+        store.add(_FAILURES_KEY, 1)
+    except (RuntimeError, OSError) as exc:
+        logger.debug("rank %d: could not tell the group why it failed: %s", rank, exc)
+
+
+def raise_if_failed(store: Store, rank: int, ranks: range) -> None:
+    """Raise ``RuntimeError`` with the cause if one of ``ranks`` (not this one) reported a failure."""
+    if store.add(_FAILURES_KEY, 0) == 0:
+        return
+    for r in ranks:
+        if r != rank and store.check([_failure_key(r)]):
+            cause = store.get(_failure_key(r)).decode(errors="replace")[:_MAX_FAILURE_TEXT]
+            raise RuntimeError(f"rank {rank}: rank {r} could not join the group: {cause}")
+
+
+def wait_or_fail(
+    store: Store, keys: list[str], rank: int, ranks: range, timeout: float, count_key: str | None = None
+) -> bool:
+    """Wait at most ``timeout`` s for ``keys``; whether they came. Fails as soon as one of ``ranks``
+    reports a failure (:func:`raise_if_failed`). With ``count_key`` (a counter each writer of one
+    of ``keys`` adds 1 to), polls that counter, not every key."""
+    deadline = time.monotonic() + _seconds(timeout)
+    delay = _FIRST_POLL
+    while True:
+        if (count_key is None or store.add(count_key, 0) >= len(keys)) and store.check(keys):
+            return True
+        raise_if_failed(store, rank, ranks)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, _POLL)
 
 
 def gather_signed_records(
@@ -131,19 +182,18 @@ def gather_signed_records(
 
     Raises:
         TimeoutError: naming the ranks that did not publish in time.
+        RuntimeError: another member reported that it could not join, and why.
         ValueError: a record is not signed with the job's secret, or is malformed.
     """
     keys = [_static_key(r) for r in range(world_size)]
     started = time.monotonic()
-    try:
-        store.wait(keys, timedelta(seconds=_seconds(timeout)))
-    except RuntimeError as exc:
+    if not wait_or_fail(store, keys, rank, range(world_size), timeout, _PUBLISHED_KEY):
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         raise TimeoutError(
             f"rank {rank}: waited {time.monotonic() - started:.1f} s for the records of all {world_size} "
             f"workers; rank{'s' if len(missing) != 1 else ''} {', '.join(map(str, missing))} did not publish "
             "theirs (did they start, with the same init_method and world_size?)"
-        ) from exc
+        )
     records = []
     for r, key in enumerate(keys):
         text, _, mac = store.get(key).decode(errors="replace").rpartition("\n")

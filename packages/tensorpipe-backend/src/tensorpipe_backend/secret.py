@@ -5,47 +5,44 @@ In order of precedence:
 1. ``TensorPipeRpcBackendOptions(auth_token=...)``;
 2. the environment variable ``TENSORPIPE_BACKEND_AUTH_TOKEN`` (what a launcher sets);
 3. a secret file: the first worker (rank 0 of a static group) writes a fresh
-   random secret to a file only this user can read (mode 0600, in a
-   per-user directory of mode 0700: ``$XDG_RUNTIME_DIR/tensorpipe-backend``
-   or ``<tmp>/tensorpipe-backend-<uid>``) and publishes the file's *path* in
+   random secret to a private file of its own (see
+   :mod:`tensorpipe_backend.secret_file`) and publishes the file's *path* in
    the rendezvous store. Every other worker of the same user on the same host
    reads the file; a worker on another host finds no such file and fails at
-   ``init_rpc`` with a message saying how to give it a token;
+   ``init_rpc`` with a message saying how to give it a token. In a dynamic
+   group every member that holds the secret writes a copy of its own and
+   publishes its path too, so that the secret lives as long as the group,
+   not as long as the worker that made it;
 4. with ``insecure=True`` only: the secret itself in the store, as torch's
    agent would do, with a warning. Anyone who can reach the store can then
    read it and run code as this user on every worker.
 
-The store is unauthenticated, so what is read from it is checked: the path
-must name a regular file owned by this user, of mode 0600, in a directory
-owned by this user of mode 0700, reached without symlinks. A stranger who
+The store is unauthenticated, so what is read from it is checked (see
+:func:`tensorpipe_backend.secret_file.read_secret_file`). A stranger who
 writes the key can make ``init_rpc`` fail, never make a worker trust a
-secret it did not make. Files are removed when the process that made them
-exits; files of processes that died without that are swept at the next start.
+secret it did not make.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
 import logging
 import os
-import re
 import secrets
 import socket
-import stat
-import tempfile
-import threading
 import time
-from datetime import timedelta
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
 from torch.distributed.distributed_c10d import Store
 
+from .group import wait_or_fail
+from .secret_file import SecretFileError, forget_secret_file, make_secret_file, read_secret_file
+
 logger: logging.Logger = logging.getLogger(__name__)
 
-__all__ = ["AUTH_TOKEN_ENV", "INSECURE_SECRET_KEY", "SECRET_FILE_KEY", "resolve_secret", "secret_dir"]
+__all__ = ["AUTH_TOKEN_ENV", "INSECURE_SECRET_KEY", "SECRET_FILE_KEY", "holder_key", "resolve_secret"]
 
 AUTH_TOKEN_ENV: Final = "TENSORPIPE_BACKEND_AUTH_TOKEN"
 """Environment variable holding the job's secret when ``auth_token`` is not given."""
@@ -55,12 +52,9 @@ SECRET_FILE_KEY: Final = "tensorpipe_backend/secret_file"
 INSECURE_SECRET_KEY: Final = "tensorpipe_backend/secret"
 """Store key of the secret itself, used only with ``insecure=True``."""
 
-_FILE_NAME: Final = re.compile(r"secret-(?P<pid>[0-9]{1,10})-[0-9a-f]{32}")
-_SECRET_HEX_CHARS: Final = 64
 _UNLIMITED: Final = 300.0
-
-_made_lock = threading.Lock()
-_made: set[Path] = set()  # files this process wrote; removed at exit
+_MODE_CHECK: Final = 0.5  # how often a wait for rank 0's secret looks for the other mode's key
+_MAX_HOLDERS: Final = 64  # copies tried by a joining member of a dynamic group
 
 
 def _how_to_fix() -> str:
@@ -72,83 +66,18 @@ def _how_to_fix() -> str:
     )
 
 
-def secret_dir() -> Path:
-    """This user's directory for secret files (mode 0700), created if missing.
-
-    Raises:
-        PermissionError: the directory exists but is not this user's own, private directory.
-    """
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    uid = os.getuid()
-    if runtime and _is_private_dir(Path(runtime), uid):
-        path = Path(runtime) / "tensorpipe-backend"
-    else:
-        path = Path(tempfile.gettempdir()) / f"tensorpipe-backend-{uid}"
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    if not _is_private_dir(path, uid):
-        raise PermissionError(
-            f"{path}: not a directory of mode 0700 owned by uid {uid}, so it cannot hold the job's "
-            f"secret (another user may have made it); remove it, or {_how_to_fix()}"
-        )
-    return path
+def holder_key(name: str) -> str:
+    """Store key of the path of the copy of the secret that member ``name`` of a dynamic group keeps."""
+    return f"{SECRET_FILE_KEY}/{name}"
 
 
-def _is_private_dir(path: Path, uid: int) -> bool:
-    try:
-        info = path.lstat()
-    except OSError:
-        return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == uid and stat.S_IMODE(info.st_mode) & 0o077 == 0
+def _publish_file(secret: str) -> tuple[Path, str]:
+    path = make_secret_file(secret)
+    return path, json.dumps({"path": str(path), "host": socket.gethostname()})
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _sweep(directory: Path) -> None:
-    """Remove the secret files of processes that are gone."""
-    with contextlib.suppress(OSError):
-        for entry in directory.iterdir():
-            match = _FILE_NAME.fullmatch(entry.name)
-            if match and not _pid_alive(int(match["pid"])):
-                with contextlib.suppress(OSError):
-                    entry.unlink()
-
-
-def _remove_made() -> None:
-    with _made_lock:
-        for path in _made:
-            with contextlib.suppress(OSError):
-                path.unlink()
-        _made.clear()
-
-
-atexit.register(_remove_made)
-
-
-def _write_secret_file(secret: str) -> Path:
-    directory = secret_dir()
-    _sweep(directory)
-    path = directory / f"secret-{os.getpid()}-{secrets.token_hex(16)}"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, secret.encode())
-    finally:
-        os.close(fd)
-    with _made_lock:
-        _made.add(path)
-    return path
-
-
-def _read_secret_file(published: bytes, rank: int) -> bytes:
-    """Read the secret from the file named in the store, after checking it is this user's own."""
+def _read_published(published: bytes, rank: int) -> bytes:
+    """Read the secret from the file named in a store entry, after checking it is this user's own."""
     try:
         raw = json.loads(published)
         path, host = Path(str(raw["path"])), str(raw["host"])
@@ -157,50 +86,45 @@ def _read_secret_file(published: bytes, rank: int) -> bytes:
             f"rank {rank}: the store's {SECRET_FILE_KEY!r} entry is malformed (was it written by "
             f"another program?); {_how_to_fix()}"
         ) from None
-    uid = os.getuid()
-    if not path.is_absolute() or not _FILE_NAME.fullmatch(path.name) or not _is_private_dir(path.parent, uid):
-        raise RuntimeError(
-            f"rank {rank}: the job's secret file {str(path)!r} (published by a worker on host {host!r}) "
-            f"is not in a private directory of uid {uid} on this host ({socket.gethostname()!r}): "
-            f"workers on other hosts, or of another user, need a secret from the launcher: {_how_to_fix()}"
-        )
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        return read_secret_file(path)
     except FileNotFoundError:
         raise RuntimeError(
             f"rank {rank}: the job's secret file {str(path)!r} (made by a worker on host {host!r}) does "
             f"not exist on this host ({socket.gethostname()!r}): workers on several hosts need a secret "
             f"from the launcher: {_how_to_fix()}"
         ) from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != uid or stat.S_IMODE(info.st_mode) & 0o077:
-            raise RuntimeError(
-                f"rank {rank}: {str(path)!r} is not a regular file of mode 0600 owned by uid {uid}; "
-                f"refusing it as the job's secret; {_how_to_fix()}"
-            )
-        data = os.read(fd, _SECRET_HEX_CHARS + 1)
-    finally:
-        os.close(fd)
-    try:
-        if len(data) != _SECRET_HEX_CHARS:
-            raise ValueError("wrong length")
-        return bytes.fromhex(data.decode())
-    except (ValueError, UnicodeDecodeError):
-        raise RuntimeError(f"rank {rank}: {str(path)!r} does not hold a secret of this backend") from None
+    except (SecretFileError, OSError) as exc:
+        raise RuntimeError(
+            f"rank {rank}: refusing the job's secret file published by a worker on host {host!r} "
+            f"(this host: {socket.gethostname()!r}): {exc}; workers on other hosts, or of another user, "
+            f"need a secret from the launcher: {_how_to_fix()}"
+        ) from None
 
 
-def _wait_for(store: Store, key: str, rank: int, timeout: float, what: str) -> bytes:
+def _wait_for(store: Store, key: str, rank: int, timeout: float, what: str, other_mode: str) -> bytes:
+    """The value of ``key``, once rank 0 published it; fails at once if rank 0 published
+    ``other_mode`` instead (it was given another ``insecure``) or reported a failure."""
     seconds = timeout if timeout > 0 else _UNLIMITED
     started = time.monotonic()
-    try:
-        store.wait([key], timedelta(seconds=seconds))
-    except RuntimeError as exc:
-        raise TimeoutError(
-            f"rank {rank}: waited {time.monotonic() - started:.1f} s for {what} in the rendezvous store "
-            "and it did not come; "
-            f"check that rank 0 runs, or {_how_to_fix()}"
-        ) from exc
+    deadline = started + seconds
+    while not wait_or_fail(
+        store, [key], rank, range(1), max(min(_MODE_CHECK, deadline - time.monotonic()), 0.001)
+    ):
+        if store.check([other_mode]):
+            mine, theirs = (
+                ("insecure=True", "did not") if key == INSECURE_SECRET_KEY else ("no insecure", "did")
+            )
+            raise RuntimeError(
+                f"rank {rank}: this worker was given {mine} and rank 0 {theirs}: pass the same "
+                f"insecure to every worker, or better, {_how_to_fix()}"
+            )
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"rank {rank}: waited {time.monotonic() - started:.1f} s for {what} in the rendezvous store "
+                "and it did not come; "
+                f"check that rank 0 runs, or {_how_to_fix()}"
+            )
     value: bytes = store.get(key)
     return value
 
@@ -212,17 +136,21 @@ def resolve_secret(
     is_static_group: bool,
     timeout: float,
     insecure: bool = False,
+    name: str = "",
+    holders: Sequence[str] = (),
 ) -> bytes:
     """The job's secret, by the precedence of the module docstring.
 
     In a static group rank 0 makes the secret file (or, with ``insecure``,
     the store entry) and the others wait at most ``timeout`` seconds for it;
-    in a dynamic group the first worker to get there does.
+    in a dynamic group the first worker to get there does, and a worker
+    ``name`` joining later reads the maker's file or the copy of one of the
+    members ``holders``, then keeps a copy of its own.
 
     Raises:
         RuntimeError: the secret file is not on this host or not this user's own.
         TimeoutError: rank 0 did not publish within ``timeout``.
-        PermissionError: this user's secret directory is not private.
+        OSError: no private file could be made for the secret.
     """
     if auth_token is not None:
         return auth_token.encode() if isinstance(auth_token, str) else bytes(auth_token)
@@ -241,20 +169,42 @@ def resolve_secret(
         if rank == 0:
             store.set(INSECURE_SECRET_KEY, fresh)
             return bytes.fromhex(fresh)
-        return bytes.fromhex(_wait_for(store, INSECURE_SECRET_KEY, rank, timeout, "rank 0's secret").decode())
-    if is_static_group and rank != 0:
-        return _read_secret_file(
-            _wait_for(store, SECRET_FILE_KEY, rank, timeout, "rank 0's secret file"), rank
+        return bytes.fromhex(
+            _wait_for(store, INSECURE_SECRET_KEY, rank, timeout, "rank 0's secret", SECRET_FILE_KEY).decode()
         )
-    path = _write_secret_file(fresh)
-    published = json.dumps({"path": str(path), "host": socket.gethostname()})
     if is_static_group:
-        store.set(SECRET_FILE_KEY, published)
+        if rank != 0:
+            return _read_published(
+                _wait_for(store, SECRET_FILE_KEY, rank, timeout, "rank 0's secret file", INSECURE_SECRET_KEY),
+                rank,
+            )
+        store.set(SECRET_FILE_KEY, _publish_file(fresh)[1])
         return bytes.fromhex(fresh)
-    current = store.compare_set(SECRET_FILE_KEY, "", published)
-    if current.decode() == published:
-        return bytes.fromhex(fresh)
-    with _made_lock:
-        _made.discard(path)
-    path.unlink()
-    return _read_secret_file(current, rank)
+    return _resolve_dynamic(store, rank, name, holders, fresh)
+
+
+def _resolve_dynamic(store: Store, rank: int, name: str, holders: Sequence[str], fresh: str) -> bytes:
+    if not store.check([SECRET_FILE_KEY]):
+        path, published = _publish_file(fresh)
+        current = store.compare_set(SECRET_FILE_KEY, "", published)
+        if current.decode() == published:
+            if name:
+                store.set(holder_key(name), published)
+            return bytes.fromhex(fresh)
+        forget_secret_file(path)
+    entries = [store.get(SECRET_FILE_KEY)]
+    for holder in holders[-_MAX_HOLDERS:]:
+        if holder != name and store.check([holder_key(holder)]):
+            entries.append(store.get(holder_key(holder)))
+    first_error: RuntimeError | None = None
+    for entry in entries:
+        try:
+            secret = _read_published(entry, rank)
+        except RuntimeError as exc:
+            first_error = first_error or exc
+            continue
+        if name:
+            store.set(holder_key(name), _publish_file(secret.hex())[1])
+        return secret
+    assert first_error is not None
+    raise first_error
