@@ -57,9 +57,7 @@ def table(outcomes: list[Outcome], rounds: int, quick: bool, load: list[str]) ->
     others = [o for o in outcomes if o.spec.key != "ours"]
     headers = [f"{o.spec.title} {o.version}".strip() for o in outcomes]
     lines = [
-        "# Ours against the peers users compare us with",
-        "",
-        f"2 processes on 127.0.0.1 (the parameter server: {PS_TRAINERS + 1}, plus the driver for "
+        f"Ours against what users would pick instead: 2 processes on 127.0.0.1 (the parameter server: {PS_TRAINERS + 1}, plus the driver for "
         "Ray and Monarch), CPU, each peer in fresh processes and an environment of its own; "
         f"medians of {rounds} rounds{' (--quick: fewer calls)' if quick else ''}, the peers' order "
         f"rotating each round. {os.cpu_count()} cores; {' -> '.join(load)}.",
@@ -76,7 +74,7 @@ def table(outcomes: list[Outcome], rounds: int, quick: bool, load: list[str]) ->
         "columns (below 1x: worse). Start-up runs from starting the processes (interpreter, "
         "imports, `init_rpc`, `ray.init` or spawning the actor's process) to the first call's reply.",
         "",
-        "## The peers",
+        "How each peer ran:",
         "",
     ]
     for o in outcomes:
