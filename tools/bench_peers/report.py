@@ -110,9 +110,10 @@ def _plot(outcomes: list[Outcome], path: Path) -> None:
         shown = [(o, o.median(row.key)) for o in outcomes]
         names = [o.spec.title if value is not None else f"{o.spec.title} (no figure)" for o, value in shown]
         values = [value if value is not None else float("nan") for _, value in shown]
-        ax.barh(names, values, color=[colors.get(o.spec.key, "#888888") for o, _ in shown])
+        bars = ax.barh(names, values, color=[colors.get(o.spec.key, "#888888") for o, _ in shown])
+        ax.bar_label(bars, labels=[f"{v:.3g}" if v == v else "" for v in values], fontsize=7, padding=2)
         ax.invert_yaxis()
-        ax.set_xscale("log")
+        ax.set_xlim(0, 1.15 * max((v for v in values if v == v), default=1.0))
         better = "lower" if row.lower_is_better else "higher"
         ax.set_title(f"{row.name} ({row.unit}, {better} is better)", fontsize=8, loc="left")
         ax.tick_params(labelsize=7)

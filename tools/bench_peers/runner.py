@@ -27,7 +27,7 @@ from typing import IO, Final
 from bench_peers.environments import Unavailable, prepare
 from bench_peers.workloads import PS_TRAINERS, RESULT_PREFIX
 
-__all__ = ["PEERS", "PeerSpec", "Outcome", "run_peers"]
+__all__ = ["PEERS", "Outcome", "PeerSpec", "run_once", "run_peers"]
 
 _RUN_TIMEOUT_S: Final = 300.0
 _TOOLS: Final = Path(__file__).resolve().parent.parent
