@@ -1,6 +1,7 @@
 """Benchmarks: ours against torch's own implementation, in one run.
 
     python3 tools/dev.py bench [--rounds N] [--quick] [--scale] [--two-hosts] [--only SECTIONS]
+    python3 tools/dev.py bench --peers [PEERS] [--rounds N] [--quick]
 
 Each figure runs ours and torch's alternately over several rounds inside the
 same two processes (127.0.0.1, gloo, CPU), and reports medians. Writes
@@ -17,6 +18,12 @@ socket round trip in the same processes, a parameter server (8 trainers, and
 ``--scale`` adds 24 RPC workers on one host (tools/bench_scale.py) and
 ``--two-hosts`` a 64 MiB echo between two network namespaces (root;
 tools/bench_hosts.py). ``uptime`` before and after goes in the results.
+
+``--peers`` runs instead the RPC workloads on ours, torch's RPC, Ray actors
+and Monarch actors, each in an environment of its own (tools/bench_peers/),
+and writes bench/results-peers.md and bench/results-peers.png; PEERS picks
+some of ours,torch,ray,monarch (default all). A peer that cannot install or
+run is named in the table with the reason; it never fails the run.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ import torch.distributed as dist
 from bench_fsdp import fsdp_figures
 from bench_hosts import two_host_figures
 from bench_lightning import lightning_figures
+from bench_peers import report as peers_report
+from bench_peers.runner import PEERS, run_peers
 from bench_recorder import recorder_figures
 from bench_rpc import ps_figures, rpc_figures
 from bench_scale import scale_figures
@@ -325,6 +334,15 @@ def _uptime() -> str:
         return "load average " + ", ".join(loadavg.read().split()[:3])
 
 
+def _peers(keys: list[str], rounds: int, quick: bool) -> int:
+    """The peers' benchmark: written to bench/results-peers.md; 0 however the peers fared."""
+    load = [_uptime()]
+    outcomes = run_peers(keys, rounds, quick)
+    load.append(_uptime())
+    print(peers_report.write(outcomes, rounds, quick, load, ROOT / "bench"))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -340,7 +358,20 @@ def main(argv: list[str]) -> int:
         "--only",
         help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all but scale, two-hosts)",
     )
+    parser.add_argument(
+        "--peers",
+        nargs="?",
+        const=",".join(spec.key for spec in PEERS),
+        help="run the peers' benchmark instead: comma-separated, of "
+        f"{','.join(spec.key for spec in PEERS)} (default all)",
+    )
     args = parser.parse_args(argv)
+    if args.peers is not None:
+        keys = args.peers.split(",")
+        unknown = [key for key in keys if key not in {spec.key for spec in PEERS}]
+        if unknown:
+            parser.error(f"--peers: unknown peers {unknown}; choose from {','.join(s.key for s in PEERS)}")
+        return _peers(keys, args.rounds, args.quick)
     if args.only:
         sections = args.only.split(",")
         unknown = [s for s in sections if s not in SECTIONS]

@@ -17,6 +17,8 @@ use, then reused until what they were made from changes:
     .venvs/run              over torch: every package, pytest, rich, matplotlib
     .venvs/check            over run: mypy, ruff, build, twine, mkdocs, ...
     .venvs/suites           over run: expecttest (torch's test suites need it)
+    .venvs/peer-<name>      over torch: a peer the benchmark compares us with (bench --peers),
+                            pinned by PEERS
 
 An environment "over" another is a virtual environment whose site-packages
 adds the other's (a .pth file), so torch is installed once and each package's
@@ -55,6 +57,9 @@ VENVS = ROOT / ".venvs" / f"torch-{TORCH}" if TORCH else ROOT / ".venvs"
 
 BUILD_BACKEND = ("hatchling>=1.26", "editables>=0.5")
 TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
+#: What users would pick instead of our RPC, pinned: ``bench --peers`` measures each in an
+#: environment of its own over .venvs/torch, so that they reuse its CPU torch.
+PEERS = {"ray": ("ray==2.60.0",), "monarch": ("torchmonarch==0.7.0",)}
 CHECK_TOOLS = (
     "mypy==2.4.1",
     "ruff==0.17.6",
@@ -154,6 +159,7 @@ def environments() -> dict[str, Env]:
     envs += [Env("run", ("torch",), (*TEST_TOOLS, "rich>=13", "matplotlib>=3.8"), tuple(packages()))]
     envs += [Env("check", ("torch", "run"), CHECK_TOOLS)]
     envs += [Env("suites", ("torch", "run"), ("expecttest>=0.2",))]
+    envs += [Env(f"peer-{name}", ("torch",), pins) for name, pins in PEERS.items()]
     return {e.name: e for e in envs}
 
 
@@ -185,15 +191,33 @@ _ENV_LOCKS: dict[str, threading.Lock] = {}
 _ENV_LOCKS_GUARD = threading.Lock()
 
 
+class EnvSetupError(RuntimeError):
+    """pip could not install what an environment needs; ``output`` is what it said."""
+
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(message)
+        self.output = output
+
+
 def ensure(name: str) -> Path:
     """Make environment ``name`` (and those it is over) if missing or stale; return its python.
 
-    Safe to call from several threads (the lanes of ``test``): each is made once.
+    Exits with pip's output if pip fails. Safe to call from several threads (the lanes of
+    ``test``): each is made once.
     """
+    try:
+        return try_ensure(name)
+    except EnvSetupError as error:
+        print(error.output)
+        sys.exit(str(error))
+
+
+def try_ensure(name: str) -> Path:
+    """As :func:`ensure`, but raise :class:`EnvSetupError` if pip fails."""
     envs = environments()
     env = envs[name]
     for under in env.over:
-        ensure(under)
+        try_ensure(under)
     with _ENV_LOCKS_GUARD:
         lock = _ENV_LOCKS.setdefault(name, threading.Lock())
     with lock:
@@ -223,9 +247,10 @@ def _make(env: Env, envs: dict[str, Env]) -> Path:
         cmd += ["-e", str(PACKAGES / package)]
     result = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
-        print(result.stdout)
-        sys.exit(
-            f"[env] {env.path.relative_to(ROOT)}: pip install failed (exit {result.returncode}); see above"
+        raise EnvSetupError(
+            f"[env] {env.path.relative_to(ROOT)}: pip install failed (exit {result.returncode}); "
+            "see pip's output",
+            result.stdout,
         )
     stamp_file.write_text(stamp)
     print(f"[env] {env.path.relative_to(ROOT)}: ready in {time.monotonic() - start:.0f} s", flush=True)

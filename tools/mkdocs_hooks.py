@@ -1,8 +1,8 @@
 """MkDocs hooks: pages that show what lives beside the code, so it is written once.
 
-- The Benchmarks page takes the table from bench/results.md (the marker
-  ``<!-- bench/results.md -->`` is replaced by it) and the plot from
-  bench/results.png, written by tools/bench.py.
+- The Benchmarks page takes the tables from bench/results.md and
+  bench/results-peers.md (a marker ``<!-- bench/results.md -->`` is replaced
+  by that file) and the plots beside them, written by tools/bench.py.
 - The Security model page shows the "Security" section of
   packages/tensorpipe-backend/README.md, when it has one, in place of the
   text between ``<!-- security: ... -->`` and ``<!-- /security -->``.
@@ -18,20 +18,21 @@ from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-MARKER = "<!-- bench/results.md -->"
+MARKER = re.compile(r"<!-- bench/(results[\w-]*\.md) -->")
 SECURITY = re.compile(r"<!-- security: (\S+) -->\n.*?<!-- /security -->\n", re.DOTALL)
 
 
 def on_files(files: Files, config: Any, **kwargs: Any) -> Files:
-    """Add bench/results.png to the site as bench/results.png."""
-    files.append(File("bench/results.png", str(ROOT), config["site_dir"], use_directory_urls=False))
+    """Add the plots of bench/ to the site under the same paths."""
+    for plot in sorted(BENCH.glob("results*.png")):
+        path = f"bench/{plot.name}"
+        files.append(File(path, str(ROOT), config["site_dir"], use_directory_urls=False))
     return files
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files, **kwargs: Any) -> str:
     """Put bench/results.md and the README's Security section where a page asks for them."""
-    if MARKER in markdown:
-        markdown = markdown.replace(MARKER, (BENCH / "results.md").read_text())
+    markdown = MARKER.sub(lambda found: (BENCH / found.group(1)).read_text(), markdown)
     match = SECURITY.search(markdown)
     if match is not None:
         section = readme_section((ROOT / match.group(1)).read_text(), "Security")

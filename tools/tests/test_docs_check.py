@@ -66,3 +66,16 @@ def test_an_example_that_aborts_after_its_last_line_fails(tmp_path: Path) -> Non
     code = f"# torchrun --nproc-per-node 1 x.py\nimport os\nprint({ABORT!r}, flush=True)\nos.abort()\n"
     problem = docs_check.run(docs_check.Example(tmp_path / "x.md", 1, code, 1))
     assert problem is not None and ABORT in problem
+
+
+def test_the_benchmarks_page_shows_every_results_table_it_names() -> None:
+    import mkdocs_hooks
+    from mkdocs.structure.files import Files
+
+    page = "ours:\n<!-- bench/results.md -->\npeers:\n<!-- bench/results-peers.md -->\n"
+    shown = mkdocs_hooks.on_page_markdown(page, page=None, config={}, files=Files([]))
+    bench = mkdocs_hooks.BENCH
+    expected = (
+        f"ours:\n{(bench / 'results.md').read_text()}\npeers:\n{(bench / 'results-peers.md').read_text()}\n"
+    )
+    assert shown == expected
