@@ -95,7 +95,7 @@ _INTERNAL_PACKAGES: Final = (
 )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class CollectiveRecord:
     """One collective as this rank issued it.
 
