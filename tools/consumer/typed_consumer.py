@@ -14,12 +14,18 @@ from typing_extensions import assert_type
 import ddp_join
 import join_core
 import rpc_registry
+import rpc_registry as rpc
 from ddp_join import DistributedDataParallel, GradBucket, ZeroRedundancyOptimizer, allreduce_hook
 from join_core import CollectiveMismatchError, Join, Joinable, JoinAbortedError, JoinHook, ShadowCollectives
 from join_core.testing import RanksFailedError, run_ranks
 from rpc_registry import BackendType, BackendValue, RRef, WorkerInfo, backend_registered
 from rpc_registry.functions import async_execution
-from tensorpipe_backend import TensorPipeRpcBackendOptions, create_reverse_mapping, validate_device_maps
+from tensorpipe_backend import (
+    TensorPipeAgent,
+    TensorPipeRpcBackendOptions,
+    create_reverse_mapping,
+    validate_device_maps,
+)
 
 
 class CounterHook(JoinHook):
@@ -135,6 +141,15 @@ def tensorpipe_options() -> TensorPipeRpcBackendOptions:
     return options
 
 
+def drop_in_names() -> None:
+    """torch's spelling, ``import torch.distributed.rpc as rpc``, with ours instead."""
+    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4)
+    assert_type(options, TensorPipeRpcBackendOptions)
+    assert_type(options.num_worker_threads, int)
+    assert_type(rpc.TensorPipeAgent, type[TensorPipeAgent])
+    assert_type(rpc_registry.TensorPipeAgent, type[TensorPipeAgent])
+
+
 def use_rpc() -> None:
     assert_type(backend_registered("TENSORPIPE"), bool)
     for member in BackendType:
@@ -179,6 +194,7 @@ def main() -> None:
     model = DistributedDataParallel(torch.nn.Linear(4, 1))
     model.register_comm_hook(None, halve)
     use_rpc()
+    drop_in_names()
     assert_type(later(1), torch.futures.Future[int])
 
 

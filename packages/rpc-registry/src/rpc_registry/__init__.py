@@ -8,6 +8,8 @@ entry-point group ``rpc_registry.backends`` or :func:`register_backend`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch.distributed.distributed_c10d import Store
 
 from . import api, constants, functions
@@ -55,6 +57,15 @@ from .registry import (
     register_backend,
 )
 from .rref import RRef
+
+if TYPE_CHECKING:
+    # For type checkers and editors only: at run time these names come from
+    # whichever installed backend declares them (see __getattr__), so
+    # importing rpc_registry loads no backend. Without tensorpipe-backend
+    # installed a checker sees them as unknown, and run time raises
+    # AttributeError with the install hint.
+    from tensorpipe_backend import TensorPipeAgent as TensorPipeAgent
+    from tensorpipe_backend import TensorPipeRpcBackendOptions as TensorPipeRpcBackendOptions
 
 PyRRef = RRef
 """torch's other name of :class:`RRef`."""
