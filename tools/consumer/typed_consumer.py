@@ -73,9 +73,24 @@ class ExplicitCounter(Joinable):
         return group
 
 
+class TorchStyleCounter:
+    """Typed as a joinable written for torch's Join: its group may be None (the default group)."""
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return CounterHook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup | None:
+        return dist.group.WORLD
+
+
 def train(rank: int, world_size: int) -> int:
     counter = Counter()
-    joinables: list[Joinable] = [counter, ExplicitCounter()]
+    joinables: list[Joinable] = [counter, ExplicitCounter(), TorchStyleCounter()]
     with Join(joinables, enable=True, throw_on_early_termination=False, any_hook_option=1) as join:
         assert_type(join, Join)
         for _ in range(rank + 1):
