@@ -190,7 +190,7 @@ def test_negative_timeout_other_than_minus_one_is_rejected() -> None:
 def test_get_worker_info_knows_every_worker() -> None:
     assert get_worker_info() == WorkerInfo("w0", 0)
     assert get_worker_info("w2") == WorkerInfo("w2", 2)
-    assert get_worker_info(name="w2") == get_worker_info(worker_name="w2") == WorkerInfo("w2", 2)
+    assert get_worker_info(worker_name="w2") == WorkerInfo("w2", 2)
 
 
 def test_init_rpc_twice_raises_already_initialized() -> None:

@@ -863,14 +863,9 @@ def _left(deadline: float | None) -> float:
     return 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
 
 
-def get_worker_info(name: str | None = None, *, worker_name: str | None = None) -> WorkerInfo:
-    """The :class:`WorkerInfo` of worker ``name``, or of this worker when it is None.
-
-    ``worker_name=`` (torch's spelling) is accepted as well.
-    """
-    if name is not None and worker_name is not None:
-        raise TypeError("get_worker_info(): give the worker as name= or as worker_name=, not both")
-    return _current().agent.get_worker_info(name if name is not None else worker_name)
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """The :class:`WorkerInfo` of worker ``worker_name``, or of this worker when it is None."""
+    return _current().agent.get_worker_info(worker_name)
 
 
 def _check_callable(func: object) -> None:

@@ -36,7 +36,11 @@ from .rref import completed, fail
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-__all__ = ["backward", "context", "get_gradients", "is_available"]
+__all__ = ["DistAutogradContext", "backward", "context", "get_gradients", "is_available"]
+
+DistAutogradContext = GradContext
+"""torch's name of the type of one distributed autograd context on one worker
+(:class:`~rpc_registry.grad_contexts.GradContext`)."""
 
 
 def is_available() -> bool:
