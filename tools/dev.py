@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -246,9 +247,46 @@ def _run(cmd: list[str], cwd: Path = ROOT) -> tuple[int, str]:
     return proc.returncode, "".join(lines)
 
 
+# Run in the child's interpreter before its command: it gets SIGTERM when this
+# process dies, even of SIGKILL (Linux's parent-death signal survives the exec).
+_DIE_WITH_PARENT = """
+import ctypes, os, sys
+parent = int(sys.argv[1])
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+except (AttributeError, OSError):
+    pass  # not Linux: the forwarding of signals below still applies
+if os.getppid() != parent:
+    sys.exit(143)  # this process died before the line above
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
 def _run_here(cmd: list[str]) -> int:
-    """Run a command on this terminal (no pipe), so that it can draw live output."""
-    return subprocess.run(cmd, cwd=ROOT, env=_env()).returncode
+    """Run a Python command on this terminal (no pipe), so that it can draw live output.
+
+    SIGTERM and SIGHUP are passed on to it, and it gets SIGTERM if this process
+    dies: it stops with this one (the demo then kills its ranks). Ctrl-C
+    reaches it from the terminal; this process waits for it to finish and
+    returns its exit status, without a traceback of its own.
+    """
+    proc = subprocess.Popen([cmd[0], "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd], cwd=ROOT, env=_env())
+
+    def forward(signum: int, frame: object) -> None:
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:
+                continue  # the terminal interrupted the child as well: wait for it to stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 - code if code < 0 else code  # killed by signal N: the shell's 128 + N
 
 
 def demo(args: list[str]) -> int:
