@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Final
@@ -121,6 +122,37 @@ def _tcp_store(host: str, port: int, world_size: int | None, is_master: bool, li
     return TCPStore(host, port, world_size, is_master, limit, wait_for_workers=False, multi_tenant=True)
 
 
+def _client_store(host: str, port: int, world_size: int | None, limit: timedelta, deadline: float) -> Store:
+    """The store client of a rank other than 0, given up on at ``deadline``.
+
+    torch's client waits without limit for the answer of whatever listens at
+    the address; when that is another program (a busy ``MASTER_PORT``), it
+    would wait forever. So it is made on a helper thread (torch releases the
+    GIL meanwhile), left behind if it never returns.
+    """
+    made: list[Store] = []
+    failed: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            made.append(_tcp_store(host, port, world_size, False, limit))
+        except BaseException as exc:  # noqa: BLE001 - raised again in the calling thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=make, name=f"rpc_registry store client {host}:{port}", daemon=True)
+    thread.start()
+    thread.join(max(deadline - time.monotonic(), 0.0))
+    if failed:
+        raise failed[0]
+    if not made:
+        raise RuntimeError(
+            f"port {port} accepts connections but no rendezvous store answered there: another "
+            "program may be listening on it; give every worker the same free port "
+            "(MASTER_PORT, or the port of the tcp:// init_method)"
+        )
+    return made[0]
+
+
 def _rank_and_size(url: str, rank: int, world_size: int | None) -> tuple[int, int | None]:
     """The rank and world size, completed from the URL's query or (``env://``) the environment."""
     parsed = urlparse(url)
@@ -167,7 +199,11 @@ def rendezvous_store(
         if rank != 0:
             _await_store(host, port, min(timeout, _STORE_WAIT_S))
         try:
-            store: Store = _tcp_store(host, port, world_size, rank == 0, limit)
+            store: Store = (
+                _tcp_store(host, port, world_size, True, limit)
+                if rank == 0
+                else _client_store(host, port, world_size, limit, started + timeout)
+            )
         except (RuntimeError, OSError) as exc:
             waited = time.monotonic() - started
             role = "host" if rank == 0 else "reach"
@@ -201,7 +237,7 @@ def _await_arrivals(
     store.set(keys[rank], "1")
     try:
         store.wait(keys, timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-    except RuntimeError as exc:
+    except RuntimeError:
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         if not missing:
             raise
@@ -211,4 +247,4 @@ def _await_arrivals(
             f"rendezvous at {url}; rank{'s' if len(missing) > 1 else ''} "
             f"{', '.join(map(str, missing))} never arrived. Start every worker with the same init_method "
             "and world_size, or raise rpc_timeout"
-        ) from exc
+        ) from None  # the store's "wait timeout" adds nothing, and would be printed first
