@@ -12,6 +12,9 @@ from join_core.joinable import Joinable
 from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, RankLostError
 from join_core.shadow import CollectiveMismatchError, ShadowCollectives
 
+__version__ = "0.2.0"
+"""This distribution's version (see CHANGELOG.md)."""
+
 __all__ = [
     "DEFAULT_LIVENESS_TIMEOUT",
     "CollectiveMismatchError",

@@ -84,6 +84,9 @@ def __getattr__(name: str) -> object:
     return found
 
 
+__version__ = "0.2.0"
+"""This distribution's version (see CHANGELOG.md)."""
+
 __all__ = [
     "AllGatherStates",
     "PyRRef",
