@@ -174,12 +174,12 @@ def use_rpc() -> None:
     assert_type(rpc_registry.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)), torch.Tensor)
     future = rpc_registry.rpc_async("worker1", torch.add, args=(torch.ones(1), 1), timeout=-1.0)
     assert_type(future, torch.futures.Future[torch.Tensor])
-    rref = rpc_registry.remote("worker1", torch.ones, args=(2,))
+    rref = rpc_registry.remote("worker1", torch.ones, args=([2],))
     assert_type(rref, RRef[torch.Tensor])
     assert_type(rref.to_here(timeout=5.0), torch.Tensor)
     assert_type(rref.owner(), WorkerInfo)
     assert_type(
-        rpc_registry.rpc_sync("worker1", torch.ones, args=(2,), kwargs={"dtype": torch.int64}), torch.Tensor
+        rpc_registry.rpc_sync("worker1", torch.ones, args=([2],), kwargs={"dtype": torch.int64}), torch.Tensor
     )
     rpc_registry.rpc_sync("worker1", torch.add, args=(torch.ones(1), "1"))  # type: ignore[arg-type]
     rpc_registry.remote("worker1", WorkerInfo, args=("worker1",))  # type: ignore[arg-type]

@@ -202,7 +202,7 @@ def test_rank_above_zero_waits_for_the_store_to_listen_then_connects() -> None:
     opener = threading.Thread(target=listen_later)
     opener.start()
     try:
-        _await_store("127.0.0.1", port, timeout=20.0)
+        assert _await_store("127.0.0.1", port, timeout=20.0)
         # It returned because the address accepts connections now, not by giving up.
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
@@ -214,7 +214,7 @@ def test_waiting_for_the_store_gives_up_after_its_timeout() -> None:
     from rpc_registry.rendezvous import _await_store
 
     start = time.monotonic()
-    _await_store("127.0.0.1", _free_port(), timeout=0.2)  # nothing listens there
+    assert not _await_store("127.0.0.1", _free_port(), timeout=0.2)  # nothing listens there
     assert time.monotonic() - start >= 0.2
 
 

@@ -30,7 +30,13 @@ from typing_extensions import TypeVarTuple, Unpack
 
 from . import rref as _rref
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, INSTALL_DEFAULT_BACKEND, UNSET_RPC_TIMEOUT
-from .errors import WorkerNameError, WorkerRefTypeError, not_initialized, operator_call
+from .errors import (
+    WorkerNameError,
+    WorkerRefTypeError,
+    check_operator_arguments,
+    not_initialized,
+    operator_call,
+)
 from .functions import is_async_execution
 from .grad_contexts import WITH_GRAD, GradContainer
 from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
@@ -970,6 +976,7 @@ def rpc_async(
     when the future they return completes.
     """
     _check_callable(func)
+    check_operator_arguments(func, tuple(args or ()), dict(kwargs or {}))
     state = _current()
     request = ("call", func, tuple(args or ()), dict(kwargs or {}))
     return state.request(state.worker(to), request, state.resolve_timeout(timeout))
@@ -1019,6 +1026,7 @@ def rpc_sync(
 ) -> T:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (see ``rpc_async``)."""
     _check_callable(func)
+    check_operator_arguments(func, tuple(args or ()), dict(kwargs or {}))
     state = _current()
     request = ("call", func, tuple(args or ()), dict(kwargs or {}))
     result: T = state.request_wait(state.worker(to), request, state.resolve_timeout(timeout))
@@ -1073,6 +1081,7 @@ def remote(
     first ``to_here()``.
     """
     _check_callable(func)
+    check_operator_arguments(func, tuple(args or ()), dict(kwargs or {}))
     state = _current()
     return state.remote(
         state.worker(to), func, tuple(args or ()), dict(kwargs or {}), state.resolve_timeout(timeout)

@@ -37,23 +37,28 @@ __all__ = ["rendezvous_store"]
 
 #: The limit when ``rpc_timeout`` is 0 (no limit on calls): torch's default for process groups.
 UNLIMITED_INIT_S: Final = 1800.0
-# Waiting for the rendezvous store to listen: at most this long, one probe every few ms.
-_STORE_WAIT_S: Final = 30.0
+# Waiting for the rendezvous store to listen: one probe every few ms at first,
+# then every _STORE_SLOW_POLL_S once it has been missing for _STORE_FAST_S.
 _STORE_POLL_S: Final = 0.002
+_STORE_FAST_S: Final = 1.0
+_STORE_SLOW_POLL_S: Final = 0.05
 _STORE_PROBE_S: Final = 0.1
 
 
-def _await_store(host: str, port: int, timeout: float) -> None:
-    """Wait until the store's address accepts connections, polling every few milliseconds:
-    torch's store client, started too early, backs off for up to a second. Gives up
-    silently after ``timeout`` (the store's own connect reports errors)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _await_store(host: str, port: int, timeout: float) -> bool:
+    """Wait until the store's address accepts connections, polling every few milliseconds
+    (torch's store client, started too early, backs off for up to a second); whether it
+    did within ``timeout``."""
+    start = time.monotonic()
+    while True:
         try:
             socket.create_connection((host, port), timeout=_STORE_PROBE_S).close()
-            return
+            return True
         except OSError:
-            time.sleep(_STORE_POLL_S)
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                return False
+            time.sleep(min(_STORE_POLL_S if waited < _STORE_FAST_S else _STORE_SLOW_POLL_S, timeout - waited))
 
 
 def _address(url: str) -> tuple[str, int] | None:
@@ -139,9 +144,11 @@ def _client_store(host: str, port: int, world_size: int | None, limit: timedelta
         except BaseException as exc:  # noqa: BLE001 - raised again in the calling thread
             failed.append(exc)
 
+    left = max(deadline - time.monotonic(), 0.001)
+    limit = min(limit, timedelta(seconds=left))  # torch's own connect gives up by the deadline too
     thread = threading.Thread(target=make, name=f"rpc_registry store client {host}:{port}", daemon=True)
     thread.start()
-    thread.join(max(deadline - time.monotonic(), 0.0))
+    thread.join(left)
     if failed:
         raise failed[0]
     if not made:
@@ -196,9 +203,12 @@ def rendezvous_store(
     if address is not None:
         rank, world_size = _rank_and_size(url, rank, world_size)
         host, port = address
-        if rank != 0:
-            _await_store(host, port, min(timeout, _STORE_WAIT_S))
         try:
+            if rank != 0 and not _await_store(host, port, timeout):
+                raise RuntimeError(
+                    "nothing accepted a connection there; start rank 0, which hosts it, with the "
+                    "same address and port"
+                )
             store: Store = (
                 _tcp_store(host, port, world_size, True, limit)
                 if rank == 0
