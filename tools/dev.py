@@ -308,7 +308,10 @@ def suites(args: list[str]) -> int:
 
 
 def docs(args: list[str]) -> int:
-    return _run_here([str(ensure("check")), "-m", "mkdocs", "serve", *args])
+    """Serve the documentation; it is built again when a page or a package's source changes
+    (the API reference is generated from the sources)."""
+    watched = [f"--watch={PACKAGES / p / 'src'}" for p in packages()] + [f"--watch={ROOT / 'tools'}"]
+    return _run_here([str(ensure("check")), "-m", "mkdocs", "serve", *watched, *args])
 
 
 def wheels(args: list[str]) -> int:

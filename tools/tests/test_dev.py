@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -168,3 +169,31 @@ def test_no_terminal_codes_reach_a_pipe_even_when_a_tool_is_told_to_color() -> N
     assert result.returncode == 0, result.stdout + result.stderr
     assert "All checks passed!" in result.stdout
     assert "\x1b" not in result.stdout + result.stderr
+
+
+def test_docs_serve_rebuilds_when_a_packages_source_changes() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "tools/dev.py", "docs", "-a", f"127.0.0.1:{port}"],
+        cwd=dev.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        watching = ""
+        deadline = time.monotonic() + 120
+        while not watching and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if "Watching paths for changes" in line:
+                watching = line
+        for package in dev.packages():
+            assert f"'packages/{package}/src'" in watching, watching
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
