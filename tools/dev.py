@@ -66,6 +66,7 @@ CHECK_TOOLS = (
     "check-wheel-contents>=0.6",
     "mkdocs==1.6.1",
     "mkdocstrings[python]>=0.29",
+    "sybil==10.1.0",
 )
 
 

@@ -15,12 +15,17 @@ must exit 0.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
+
+import sybil
+from sybil.parsers.markdown import CodeBlockParser
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration_tests"))
@@ -28,7 +33,6 @@ sys.path.insert(0, str(ROOT / "integration_tests"))
 import api_reference  # noqa: E402
 from launch import launch  # noqa: E402
 
-FENCE = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 RANKS = re.compile(r"torchrun --nproc-per-node (\d+)")
 TIMEOUT_S = 120.0
 
@@ -47,17 +51,27 @@ class Example:
         return f"{where}:{self.line}" + (f" ({self.ranks} ranks)" if self.ranks else "")
 
 
+def example_of(source: Path, line: int, code: str) -> Example:
+    """A code block, with the number of ranks its first lines ask for."""
+    ranks = RANKS.search("\n".join(code.splitlines()[:3]))
+    return Example(source, line, code, int(ranks.group(1)) if ranks else 0)
+
+
+def evaluate(example: sybil.Example) -> str | None:
+    """sybil's evaluator: run one block (see :func:`run`); what went wrong, or None."""
+    return run(example_of(Path(example.path), example.line + 1, str(example.parsed)))
+
+
+#: The ```python blocks of Markdown files, found by sybil; run as pytest items
+#: through the plugin tools/docs_examples.py.
+SYBIL: Final = sybil.Sybil(
+    parsers=[CodeBlockParser(language="python", evaluator=evaluate)], patterns=["*.md"], path=str(ROOT)
+)
+
+
 def examples(path: Path) -> list[Example]:
     """The ```python blocks of one Markdown file."""
-    text = path.read_text()
-    found = []
-    for match in FENCE.finditer(text):
-        code = match.group(1)
-        head = "\n".join(code.splitlines()[:3])
-        ranks = RANKS.search(head)
-        line = text.count("\n", 0, match.start()) + 2
-        found.append(Example(path, line, code, int(ranks.group(1)) if ranks else 0))
-    return found
+    return [example_of(path, e.line + 1, str(e.parsed)) for e in SYBIL.parse(path)]
 
 
 def sources() -> list[Path]:
@@ -204,11 +218,13 @@ def main() -> int:
     failures = [] if built.returncode == 0 else ["mkdocs build --strict failed (above)"]
     failures += reference_problems(SITE) + mention_problems(sources())
     failures += not_provided_problems(ROOT / "docs" / "moving-from-torch.md", torch_rpc_left_out())
-    for example in [e for source in sources() for e in examples(source)]:
-        print(f"example: {example}", flush=True)
-        problem = run(example)
-        if problem is not None:
-            failures.append(f"{example}: {problem}")
+    print("docs: every example (pytest, sybil)", flush=True)
+    pytest = [sys.executable, "-m", "pytest", "-p", "docs_examples", "-p", "no:cacheprovider", "-v"]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")])
+    )
+    if subprocess.run([*pytest, *map(str, sources())], cwd=ROOT, env=env).returncode != 0:
+        failures.append("an example failed (above)")
     for failure in failures:
         print(f"FAILED: {failure}")
     return 1 if failures else 0
