@@ -181,7 +181,7 @@ def test_init_sync_and_buffer_flags_decide_what_is_broadcast() -> None:
 
 
 def _broadcast_buffers_attribute(rank: int, world_size: int) -> dict[str, Any]:
-    flags = {}
+    flags: dict[str, Any] = {}
     for name, wrapper in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
         flags[name] = [
             wrapper(_NormNet(seed=0)).broadcast_buffers,

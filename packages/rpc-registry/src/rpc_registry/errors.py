@@ -33,8 +33,10 @@ __all__ = [
 ]
 
 # Matches arguments to an operator's schemas without running it (what torch's
-# RPC does at the call); torch's stubs do not declare it.
-_resolve_packet: Final[Callable[..., str]] = torch._C._jit_resolve_packet  # type: ignore[attr-defined]
+# RPC does at the call).
+_resolve_packet: Final[Callable[..., str]] = vars(torch._C)[
+    "_jit_resolve_packet"
+]  # not in every torch's stubs
 
 
 class WorkerNameError(ValueError, RuntimeError):
