@@ -87,6 +87,7 @@ def _twice(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")  # torch 2.14
 def test_torchscript_target_gets_a_clear_error() -> None:
     scripted = torch.jit.script(_twice)
     for call in (rpc_registry.rpc_sync, rpc_registry.rpc_async, rpc_registry.remote):
