@@ -8,7 +8,8 @@ this launcher hosts the rendezvous store on a port the OS picks, so the same
 scripts run unchanged under ``torchrun --nproc-per-node N``. Each rank runs
 in its own session; when one fails the others get a grace period, then
 every rank still running is killed with its children. Nothing outlives the
-launcher.
+launcher: a SIGTERM, SIGHUP or SIGINT to it kills every rank first, and on
+Linux a rank is killed when its launcher dies of any signal, SIGKILL included.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch.distributed as dist
 
@@ -34,6 +35,24 @@ TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 
 
 LineCallback = Callable[[int, str], None]
+
+#: Signals that stop the launcher after it has killed every rank (SIGINT
+#: does already: KeyboardInterrupt).
+STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGHUP)
+
+# Run in each rank's interpreter before the script: the rank gets SIGKILL when
+# its launcher dies (Linux's parent-death signal survives the exec).
+_DIE_WITH_PARENT: Final = """
+import ctypes, os, sys
+parent = int(sys.argv[1])
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+except (AttributeError, OSError):
+    pass  # not Linux: the launcher's own signal handling still applies
+if os.getppid() != parent:
+    sys.exit(137)  # the launcher died before the line above
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
 @dataclass(frozen=True)
@@ -88,7 +107,15 @@ def launch(
     readers = []
     for rank in range(nproc):
         proc = subprocess.Popen(
-            [sys.executable, str(script), *(args or [])],
+            [
+                sys.executable,
+                "-c",
+                _DIE_WITH_PARENT,
+                str(os.getpid()),
+                sys.executable,
+                str(script),
+                *(args or []),
+            ],
             env=dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -102,6 +129,7 @@ def launch(
         readers.append(reader)
     ended: dict[int, float] = {}
     deadline = start + timeout
+    previous = _stop_on_signals()
     try:
         while len(ended) < nproc and time.monotonic() < deadline:
             for rank, proc in enumerate(procs):
@@ -120,10 +148,24 @@ def launch(
             if proc.stdout is not None:
                 proc.stdout.close()
         del store
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     exits = []
     for rank, proc in enumerate(procs):
         exits.append(RankExit(rank, proc.pid, proc.returncode, ended[rank], "".join(outputs[rank])))
     return exits
+
+
+def _stop_on_signals() -> dict[int, Any]:
+    """Make STOP_SIGNALS raise SystemExit (so that the ranks are killed on the way out)
+    while ranks run; the handlers it replaced. Only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    return {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
 
 
 def _read(rank: int, proc: subprocess.Popen[str], lines: list[str], on_line: LineCallback | None) -> None:

@@ -3,8 +3,11 @@ tensorpipe-backend, each on 2 to 4 local ranks started by launch.py."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -183,3 +186,27 @@ def test_ddp_rpc_example_trainers_end_with_identical_ddp_parameters(tmp_path: Pa
     assert torch.equal(first, second), (
         f"the trainers' DDP replicas differ by up to {(first - second).abs().max()}"
     )
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "train_coordinated.py",
+        "train_dist_autograd.py",
+        "train_failure.py",
+        "train_fsdp.py",
+        "train_param_server.py",
+    ],
+)
+def test_a_script_run_without_torchruns_environment_says_what_to_set_in_one_paragraph(script: str) -> None:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    result = subprocess.run(
+        [sys.executable, str(HERE / script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    assert result.stdout == ""
+    [paragraph] = result.stderr.splitlines()
+    assert "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set" in paragraph
+    assert "torchrun --nproc-per-node 2 " in paragraph and "launch.py" in paragraph

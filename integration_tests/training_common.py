@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,7 +52,22 @@ def make_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+#: What torchrun (or launch.py) sets for every rank, and init_process_group("env://") reads.
+TORCHRUN_VARIABLES: Final = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def rank_from_env(device: str, backend: str) -> Rank:
+    missing = [name for name in TORCHRUN_VARIABLES if not os.environ.get(name)]
+    if missing:
+        script = os.path.relpath(sys.argv[0])
+        raise SystemExit(
+            f"{script} runs as one rank of a job and reads where it stands from the environment "
+            f"torchrun gives, but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set. "
+            f"Start every rank at once with `torchrun --nproc-per-node 2 {script}` or "
+            f"`python integration_tests/launch.py --nproc 2 {script}`, or set RANK (0 to N-1), "
+            "WORLD_SIZE (N), MASTER_ADDR and MASTER_PORT (where rank 0 listens, e.g. 127.0.0.1 "
+            "and 29500) in each rank's environment yourself."
+        )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if device == "cuda":

@@ -171,6 +171,12 @@ def summarize(console: Console, results: list[dict[str, Any]], joined: list[int]
 
 if __name__ == "__main__":
     start = time.monotonic()
-    code = main(sys.argv[1:])
+    try:
+        code = main(sys.argv[1:])
+    except KeyboardInterrupt:  # the ranks were killed on the way out (launch)
+        print(
+            f"demo: interrupted after {time.monotonic() - start:.1f} s; every rank stopped", file=sys.stderr
+        )
+        sys.exit(130)
     print(f"demo finished in {time.monotonic() - start:.1f} s")
     sys.exit(code)

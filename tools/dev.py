@@ -34,11 +34,13 @@ the packages declare this way):
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -47,6 +49,7 @@ import venv
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ROOT / "packages"
@@ -68,6 +71,7 @@ CHECK_TOOLS = (
     "check-wheel-contents>=0.6",
     "mkdocs==1.6.1",
     "mkdocstrings[python]>=0.29",
+    "sybil==10.1.0",
 )
 
 
@@ -117,6 +121,10 @@ def _env() -> dict[str, str]:
     env.setdefault("PIP_CONSTRAINT", str(_constraints()))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    if not sys.stdout.isatty():  # a pipe or a log file: no terminal codes from the tools either
+        for forcing in ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS"):
+            env.pop(forcing, None)
+        env.update(NO_COLOR="1", TERM="dumb")
     return env
 
 
@@ -271,9 +279,46 @@ def _run(cmd: list[str], cwd: Path = ROOT) -> tuple[int, str]:
     return proc.returncode, "".join(lines)
 
 
+# Run in the child's interpreter before its command: it gets SIGTERM when this
+# process dies, even of SIGKILL (Linux's parent-death signal survives the exec).
+_DIE_WITH_PARENT = """
+import ctypes, os, sys
+parent = int(sys.argv[1])
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+except (AttributeError, OSError):
+    pass  # not Linux: the forwarding of signals below still applies
+if os.getppid() != parent:
+    sys.exit(143)  # this process died before the line above
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
 def _run_here(cmd: list[str]) -> int:
-    """Run a command on this terminal (no pipe), so that it can draw live output."""
-    return subprocess.run(cmd, cwd=ROOT, env=_env()).returncode
+    """Run a Python command on this terminal (no pipe), so that it can draw live output.
+
+    SIGTERM and SIGHUP are passed on to it, and it gets SIGTERM if this process
+    dies: it stops with this one (the demo then kills its ranks). Ctrl-C
+    reaches it from the terminal; this process waits for it to finish and
+    returns its exit status, without a traceback of its own.
+    """
+    proc = subprocess.Popen([cmd[0], "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd], cwd=ROOT, env=_env())
+
+    def forward(signum: int, frame: object) -> None:
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:
+                continue  # the terminal interrupted the child as well: wait for it to stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 - code if code < 0 else code  # killed by signal N: the shell's 128 + N
 
 
 def demo(args: list[str]) -> int:
@@ -289,7 +334,10 @@ def suites(args: list[str]) -> int:
 
 
 def docs(args: list[str]) -> int:
-    return _run_here([str(ensure("check")), "-m", "mkdocs", "serve", *args])
+    """Serve the documentation; it is built again when a page or a package's source changes
+    (the API reference is generated from the sources)."""
+    watched = [f"--watch={PACKAGES / p / 'src'}" for p in packages()] + [f"--watch={ROOT / 'tools'}"]
+    return _run_here([str(ensure("check")), "-m", "mkdocs", "serve", *watched, *args])
 
 
 def wheels(args: list[str]) -> int:
@@ -381,33 +429,150 @@ class Tally:
             self.reasons[reason] = self.reasons.get(reason, 0) + int(count)
 
 
-def _run_step(step: Step, stream: bool, lock: threading.Lock) -> tuple[str, float, str]:
-    """Run one step; its verdict, seconds and output. Unless ``stream``, print its output when done."""
+#: Without a terminal, how often ``test`` prints what runs now.
+PROGRESS_EVERY_S = 30.0
+
+
+class PytestCount:
+    """Tests counted as pytest reports them, from its output read as it comes."""
+
+    STATUS = ".sFExX"  # passed, skipped, failed, error, xfailed, xpassed
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+        self.done = 0
+        self.failed = 0
+        self._line = ""
+        self._in_status = False  # after "tests/test_x.py " on a progress line
+
+    def feed(self, text: str) -> None:
+        """Count the status characters of one piece of output."""
+        for ch in text:
+            if ch == "\n":
+                found = re.search(r"collected (\d+) items?", self._line)
+                if found:
+                    self.total = int(found.group(1))
+                self._line, self._in_status = "", False
+                continue
+            self._line += ch
+            if self._in_status:
+                if ch in self.STATUS:
+                    self.done += 1
+                    self.failed += ch in "FE"
+                else:
+                    self._in_status = False
+            elif ch == " " and re.fullmatch(r"\S+\.py ", self._line):
+                self._in_status = True
+
+    def __str__(self) -> str:
+        text = f"{self.done}/{self.total} tests" if self.total is not None else f"{self.done} tests"
+        return text + (f", {self.failed} failed" if self.failed else "")
+
+
+class Progress:
+    """What runs now, shown while steps run side by side: on a terminal one status
+    line redrawn in place; otherwise (a pipe, a CI log) a plain line every
+    ``every`` seconds, without terminal codes."""
+
+    def __init__(self, out: TextIO, every: float = 30.0) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.every = every if not self.tty else 0.5
+        self.lock = threading.Lock()
+        self.running: dict[str, tuple[float, PytestCount | None]] = {}
+        self._drawn = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="dev.py progress", daemon=True)
+
+    def __enter__(self) -> Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        with self.lock:
+            self._clear()
+
+    def line(self) -> str:
+        now = time.monotonic()
+        parts = [
+            f"{title} ({now - since:.0f} s{'; ' + str(count) if count is not None else ''})"
+            for title, (since, count) in self.running.items()
+        ]
+        return "running: " + " | ".join(parts)
+
+    def print(self, text: str) -> None:
+        """Print ``text`` (whole lines) above the status line."""
+        with self.lock:
+            self._clear()
+            self.out.write(text if text.endswith("\n") else text + "\n")
+            self._draw()
+            self.out.flush()
+
+    def _clear(self) -> None:
+        if self._drawn:
+            self.out.write("\r\x1b[K")
+            self._drawn = False
+
+    def _draw(self) -> None:
+        if self.tty and self.running:
+            width = shutil.get_terminal_size().columns - 1
+            self.out.write(self.line()[:width])
+            self._drawn = True
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.every):
+            with self.lock:
+                if not self.running:
+                    continue
+                if self.tty:
+                    self._clear()
+                    self._draw()
+                else:
+                    self.out.write(f"[progress] {self.line()}\n")
+                self.out.flush()
+
+
+def _run_step(step: Step, stream: bool, progress: Progress) -> tuple[str, float, str]:
+    """Run one step; its verdict, seconds and output. Unless ``stream``, print its
+    output when done, under a header of its own."""
     start = time.monotonic()
     if step.env is None and shutil.which(step.args[0]) is None:
         reason = f"{step.args[0]} not found on PATH (install Node.js to lint the workflows)"
-        with lock:
-            print(f"\n{step.title}: skipped: {reason}", flush=True)
+        progress.print(f"\n{step.title}: skipped: {reason}")
         return f"skipped: {reason}", 0.0, ""
     cmd = [*([str(ensure(step.env))] if step.env else []), *step.args]
     if stream:
+        print(f"\n===== {step.title} =====", flush=True)
         code, output = _run(cmd, cwd=step.cwd)
     else:
-        with lock:
-            print(f"[start] {step.title}", flush=True)
-        proc = subprocess.run(
-            cmd, cwd=step.cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        code, output = proc.returncode, proc.stdout
+        count = PytestCount() if step.pytest else None
+        with progress.lock:
+            progress.running[step.title] = (start, count)
+        progress.print(f"[start] {step.title}")
+        chunks = []
+        with subprocess.Popen(
+            cmd, cwd=step.cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        ) as proc:
+            assert proc.stdout is not None
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            while chunk := os.read(proc.stdout.fileno(), 65536):
+                text = decoder.decode(chunk)
+                chunks.append(text)
+                if count is not None:
+                    with progress.lock:
+                        count.feed(text)
+        code, output = proc.returncode, "".join(chunks)
+        with progress.lock:
+            del progress.running[step.title]
     verdict = "ok" if code == 0 else f"FAILED (exit {code})"
     if step.pytest and code == 5:
         verdict = "FAILED (no tests were collected)"
     seconds = time.monotonic() - start
     if not stream:
-        with lock:
-            print(
-                f"\n$ {' '.join(cmd)}\n{output}[done] {step.title}: {verdict} ({seconds:.0f} s)", flush=True
-            )
+        done = f"[done] {step.title}: {verdict} ({seconds:.0f} s)"
+        progress.print(f"\n===== {step.title} =====\n$ {' '.join(cmd)}\n{output}{done}")
     return verdict, seconds, output
 
 
@@ -419,6 +584,9 @@ def test(args: list[str]) -> int:
     integration runs last; ``--serial`` runs one
     step at a time and streams its output.
     """
+    if "-h" in args or "--help" in args:
+        print(__doc__)
+        return 0
     serial = "--serial" in args
     selected = [a for a in args if a != "--serial"]
     chosen = [s for s in steps() if not selected or any(word in s.title for word in selected)]
@@ -435,19 +603,20 @@ def test(args: list[str]) -> int:
         suite = step.pytest and step.env not in ("check", "run") and step.title not in IN_CHECKS_LANE
         lanes.setdefault(suite and not serial, []).append(step)
     results: dict[str, tuple[str, float, str]] = {}
-    lock = threading.Lock()
 
-    def run_lane(lane: list[Step]) -> None:
-        for step in lane:
-            results[step.title] = _run_step(step, serial, lock)
+    with Progress(sys.stdout, PROGRESS_EVERY_S) as progress:
 
-    threads = [threading.Thread(target=run_lane, args=(lane,)) for lane in lanes.values()]
-    for thread in threads:
-        thread.start()
-        if serial:
+        def run_lane(lane: list[Step]) -> None:
+            for step in lane:
+                results[step.title] = _run_step(step, serial, progress)
+
+        threads = [threading.Thread(target=run_lane, args=(lane,)) for lane in lanes.values()]
+        for thread in threads:
+            thread.start()
+            if serial:
+                thread.join()
+        for thread in threads:
             thread.join()
-    for thread in threads:
-        thread.join()
     tally = Tally()
     print()
     for step in chosen:
@@ -472,8 +641,13 @@ def main(argv: list[str]) -> int:
         "bench": bench,
         "suites": suites,
     }
+    if argv[:1] in (["-h"], ["--help"], ["help"]):
+        print(__doc__)
+        return 0
     if not argv or argv[0] not in commands:
         print(__doc__)
+        if argv:
+            print(f"dev.py: unknown command {argv[0]!r}; the commands are {', '.join(commands)}")
         return 2
     return commands[argv[0]](argv[1:])
 

@@ -4,8 +4,9 @@ For each package: an sdist, and a wheel built from that sdist (so a file the
 sdist forgets fails here), into .cache/dist/<package>; then ``twine check
 --strict`` on both, ``check-wheel-contents`` on the wheel, and checks of our
 own: no build or test leftovers in the sdist (.hypothesis/, caches, bytecode),
-the LICENSE beside the package equal to the repository's, and only absolute
-links in the README that PyPI shows.
+the LICENSE beside the package equal to the repository's, only absolute
+links in the README that PyPI shows, and a CHANGELOG.md section for the
+version the wheel was built as (what the release workflow publishes).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import release_notes
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / ".cache" / "dist"
@@ -40,6 +44,18 @@ def readme_problems(package: Path) -> list[str]:
     ]
 
 
+def changelog_problems(package: Path, wheels: list[Path]) -> list[str]:
+    """A wheel built as a version its CHANGELOG.md says nothing of."""
+    problems = []
+    for wheel in wheels:
+        version = wheel.name.split("-")[1]
+        try:
+            release_notes.notes(package, version)
+        except (OSError, ValueError) as error:
+            problems.append(f"{wheel.name}: {error}")
+    return problems
+
+
 def check(package: Path) -> list[str]:
     """Build one package and return what is wrong with it."""
     out = OUT / package.name
@@ -62,6 +78,7 @@ def check(package: Path) -> list[str]:
     if not license_file.is_file() or license_file.read_bytes() != (ROOT / "LICENSE").read_bytes():
         problems.append(f"{package.name}/LICENSE: missing or not equal to ./LICENSE; copy ./LICENSE there")
     problems += readme_problems(package)
+    problems += changelog_problems(package, built)
     files = [str(f) for f in [*sdists, *built]]
     if subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *files]).returncode != 0:
         problems.append(f"{package.name}: twine check --strict failed (above)")

@@ -16,6 +16,7 @@ import ddp_join
 import join_core
 import lightning_join
 import rpc_registry
+import rpc_registry as rpc
 from ddp_join import DistributedDataParallel, GradBucket, ZeroRedundancyOptimizer, allreduce_hook
 from join_core import CollectiveMismatchError, Join, Joinable, JoinAbortedError, JoinHook, ShadowCollectives
 from join_core.testing import RanksFailedError, run_ranks
@@ -24,7 +25,12 @@ from lightning_join.fabric import JoinDDPStrategy as FabricJoinDDPStrategy
 from lightning_join.fabric import join as fabric_join
 from rpc_registry import BackendType, BackendValue, RRef, WorkerInfo, backend_registered
 from rpc_registry.functions import async_execution
-from tensorpipe_backend import TensorPipeRpcBackendOptions, create_reverse_mapping, validate_device_maps
+from tensorpipe_backend import (
+    TensorPipeAgent,
+    TensorPipeRpcBackendOptions,
+    create_reverse_mapping,
+    validate_device_maps,
+)
 
 
 class CounterHook(JoinHook):
@@ -72,9 +78,24 @@ class ExplicitCounter(Joinable):
         return group
 
 
+class TorchStyleCounter:
+    """Typed as a joinable written for torch's Join: its group may be None (the default group)."""
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return CounterHook()
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup | None:
+        return dist.group.WORLD
+
+
 def train(rank: int, world_size: int) -> int:
     counter = Counter()
-    joinables: list[Joinable] = [counter, ExplicitCounter()]
+    joinables: list[Joinable] = [counter, ExplicitCounter(), TorchStyleCounter()]
     with Join(joinables, enable=True, throw_on_early_termination=False, any_hook_option=1) as join:
         assert_type(join, Join)
         for _ in range(rank + 1):
@@ -140,6 +161,15 @@ def tensorpipe_options() -> TensorPipeRpcBackendOptions:
     return options
 
 
+def drop_in_names() -> None:
+    """torch's spelling, ``import torch.distributed.rpc as rpc``, with ours instead."""
+    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4)
+    assert_type(options, TensorPipeRpcBackendOptions)
+    assert_type(options.num_worker_threads, int)
+    assert_type(rpc.TensorPipeAgent, type[TensorPipeAgent])
+    assert_type(rpc_registry.TensorPipeAgent, type[TensorPipeAgent])
+
+
 def use_rpc() -> None:
     assert_type(backend_registered("TENSORPIPE"), bool)
     for member in BackendType:
@@ -149,12 +179,12 @@ def use_rpc() -> None:
     assert_type(rpc_registry.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)), torch.Tensor)
     future = rpc_registry.rpc_async("worker1", torch.add, args=(torch.ones(1), 1), timeout=-1.0)
     assert_type(future, torch.futures.Future[torch.Tensor])
-    rref = rpc_registry.remote("worker1", torch.ones, args=(2,))
+    rref = rpc_registry.remote("worker1", torch.ones, args=([2],))
     assert_type(rref, RRef[torch.Tensor])
     assert_type(rref.to_here(timeout=5.0), torch.Tensor)
     assert_type(rref.owner(), WorkerInfo)
     assert_type(
-        rpc_registry.rpc_sync("worker1", torch.ones, args=(2,), kwargs={"dtype": torch.int64}), torch.Tensor
+        rpc_registry.rpc_sync("worker1", torch.ones, args=([2],), kwargs={"dtype": torch.int64}), torch.Tensor
     )
     rpc_registry.rpc_sync("worker1", torch.add, args=(torch.ones(1), "1"))  # type: ignore[arg-type]
     rpc_registry.remote("worker1", WorkerInfo, args=("worker1",))  # type: ignore[arg-type]
@@ -204,6 +234,7 @@ def main() -> None:
     model = DistributedDataParallel(torch.nn.Linear(4, 1))
     model.register_comm_hook(None, halve)
     use_rpc()
+    drop_in_names()
     assert_type(later(1), torch.futures.Future[int])
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -95,3 +98,102 @@ def test_dev_torch_that_is_not_a_version_is_refused(monkeypatch: pytest.MonkeyPa
 def test_suites_moved_to_the_checks_lane_are_steps() -> None:
     titles = {step.title for step in dev.steps()}
     assert set(dev.IN_CHECKS_LANE) <= titles
+
+
+PROGRESS = """\
+============================= test session starts ==============================
+collected 7 items
+
+tests/test_a.py ..s.F                                                    [ 71%]
+tests/test_b.py .E                                                       [100%]
+=================================== FAILURES ===================================
+E   assert 1 == 2
+tests/test_a.py:12: AssertionError
+"""
+
+
+def test_pytest_progress_is_counted_as_it_comes() -> None:
+    count = dev.PytestCount()
+    cut = PROGRESS.index("s.F")
+    for ch in PROGRESS[:cut]:  # pytest writes a character per test
+        count.feed(ch)
+    assert (count.total, count.done, count.failed, str(count)) == (7, 2, 0, "2/7 tests")
+    count.feed(PROGRESS[cut:])
+    assert (count.done, count.failed, str(count)) == (7, 2, "7/7 tests, 2 failed")
+
+
+def test_each_steps_output_is_under_its_own_header_with_progress_lines_when_piped(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slow = dev.Step(
+        "a suite",
+        None,
+        ("sh", "-c", "echo collected 2 items; echo; printf 't.py .'; sleep 2; echo .; echo from-suite"),
+        pytest=True,
+    )
+    fast = dev.Step("a check", None, ("sh", "-c", "sleep 0.5; echo from-check"))
+    monkeypatch.setattr(dev, "steps", lambda: [slow, fast])
+    monkeypatch.setattr(dev, "PROGRESS_EVERY_S", 0.3)
+    assert dev.test([]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    lines = out.splitlines()
+    for title, printed in (("a suite", "from-suite"), ("a check", "from-check")):
+        header = lines.index(f"===== {title} =====")
+        assert lines[header + 1].startswith("$ sh -c")
+        assert (
+            printed
+            in lines[header + 2 : lines.index(next(x for x in lines if x.startswith(f"[done] {title}:")))]
+        )
+    progress = [x for x in lines if x.startswith("[progress] running: ")]
+    assert any("a suite (" in x and "1/2 tests" in x for x in progress), progress
+
+
+def test_help_is_printed_with_success(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--help"], ["-h"], ["test", "--help"]):
+        assert dev.main(argv) == 0
+        assert "python3 tools/dev.py test [STEP...]" in capsys.readouterr().out
+    assert dev.main(["tset"]) == 2
+    assert "unknown command 'tset'" in capsys.readouterr().out
+
+
+def test_no_terminal_codes_reach_a_pipe_even_when_a_tool_is_told_to_color() -> None:
+    result = subprocess.run(
+        [sys.executable, "tools/dev.py", "test", "lint (ruff"],
+        cwd=dev.ROOT,
+        env=dict(os.environ, FORCE_COLOR="1", CLICOLOR_FORCE="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "All checks passed!" in result.stdout
+    assert "\x1b" not in result.stdout + result.stderr
+
+
+def test_docs_serve_rebuilds_when_a_packages_source_changes() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "tools/dev.py", "docs", "-a", f"127.0.0.1:{port}"],
+        cwd=dev.ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        watching = ""
+        deadline = time.monotonic() + 120
+        while not watching and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if "Watching paths for changes" in line:
+                watching = line
+        for package in dev.packages():
+            assert f"'packages/{package}/src'" in watching, watching
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)

@@ -48,11 +48,16 @@ def test_released_readmes_have_only_absolute_links() -> None:
         assert package_check.readme_problems(readme.parent) == []
 
 
-def test_ci_runs_the_lowest_torch_that_every_package_declares() -> None:
+def test_ci_runs_both_ends_of_the_torch_range_every_package_declares() -> None:
     declared = {
-        p.parent.name: re.findall(r'"torch>=([\d.]+)"', p.read_text())
+        p.parent.name: re.findall(r'"torch>=([\d.]+),<([\d.]+)"', p.read_text())
         for p in (package_check.ROOT / "packages").glob("*/pyproject.toml")
     }
-    assert set(map(tuple, declared.values())) == {("2.10",)}, declared
+    assert all(len(found) == 1 for found in declared.values()), declared
+    [(lowest, below)] = {found[0] for found in declared.values()}
     ci = (package_check.ROOT / ".github" / "workflows" / "ci.yml").read_text()
-    assert 'DEV_TORCH: "2.10.0"' in ci
+    ends = dict(re.findall(r'- end: (\w+)\n\s+torch: "([\d.]+)"', ci))
+    assert ends["lowest"] == f"{lowest}.0"
+    # The bound is the minor release after the newest one tested.
+    major, minor = map(int, ends["newest"].split(".")[:2])
+    assert below == f"{major}.{minor + 1}"

@@ -180,6 +180,29 @@ def test_init_sync_and_buffer_flags_decide_what_is_broadcast() -> None:
     assert first["after_forward"] != second["after_forward"]
 
 
+def _broadcast_buffers_attribute(rank: int, world_size: int) -> dict[str, Any]:
+    flags: dict[str, Any] = {}
+    for name, wrapper in (("ours", DistributedDataParallel), ("torch", TorchDDP)):
+        flags[name] = [
+            wrapper(_NormNet(seed=0)).broadcast_buffers,
+            wrapper(_NormNet(seed=0), forward_sync_buffers=False).broadcast_buffers,
+        ]
+    model = DistributedDataParallel(_NormNet(seed=rank))
+    model.broadcast_buffers = False  # as torch's: turns the forward's buffer broadcast off
+    _running_mean(model.module.norm).fill_(float(rank))
+    model(torch.ones(3, 4))
+    flags["forward_sync_buffers"] = model.forward_sync_buffers
+    flags["after_forward"] = _running_mean(model.module.norm).tolist()
+    return flags
+
+
+def test_broadcast_buffers_attribute_reads_and_sets_forward_sync_buffers_as_torchs() -> None:
+    first, second = run_ranks(_broadcast_buffers_attribute, 2)
+    assert first["ours"] == first["torch"] == [True, False]
+    assert first["forward_sync_buffers"] is False
+    assert first["after_forward"] != second["after_forward"]
+
+
 class _Checkpointed(torch.nn.Module):
     """Reentrant activation checkpointing of a layer used twice, and a
     parameter no forward uses."""

@@ -258,6 +258,27 @@ def test_joinable_is_a_structural_and_an_explicit_base() -> None:
     assert not isinstance(object(), Joinable)
 
 
+class _DefaultGroup(CountingJoinable):
+    """Returns what torch's DDP returns by default: ``dist.group.WORLD``, which may be None."""
+
+    @property
+    def join_process_group(self) -> Any:
+        return None
+
+
+def _uneven_in_the_default_group(rank: int, world_size: int) -> list[float]:
+    joinable = _DefaultGroup(True)
+    with Join([joinable]):
+        for _ in range(rank + 1):
+            joinable.step(1.0)
+    return joinable.sums
+
+
+def test_a_joinable_whose_process_group_is_none_joins_in_the_default_group() -> None:
+    # The last all-reduce is the one that finds every rank joined.
+    assert run_ranks(_uneven_in_the_default_group, 2) == [[2.0, 1.0, 0.0]] * 2
+
+
 def _nested(rank: int, world_size: int) -> str:
     joinable = CountingJoinable(False)
     with Join([joinable]):

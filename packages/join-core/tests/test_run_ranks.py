@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from join_core.testing import RanksFailedError, run_ranks, run_script
 
@@ -34,3 +37,19 @@ def test_run_script_gives_each_rank_torchruns_environment_and_tells_how_it_ended
         (0, 0, "0 2 127.0.0.1 arg\n"),
         (1, 3, "1 2 127.0.0.1 arg\n"),
     ]
+
+
+def _first_optimizer_seconds(rank: int, world_size: int) -> tuple[bool, float]:
+    compiler_loaded = "torch._dynamo" in sys.modules
+    start = time.process_time()
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    return compiler_loaded, time.process_time() - start
+
+
+def test_ranks_start_with_what_a_first_optimizer_imports_already_loaded() -> None:
+    # torch imports torch._dynamo (about a second of CPU) when a process makes
+    # its first optimizer: the fork server loads it once for every rank.
+    for compiler_loaded, seconds in run_ranks(_first_optimizer_seconds, 2, timeout=60):
+        assert compiler_loaded, (
+            f"the first optimizer imported torch's compiler in the rank ({seconds:.2f} s of CPU)"
+        )

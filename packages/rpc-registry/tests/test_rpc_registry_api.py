@@ -33,6 +33,7 @@ from rpcreg_socket_agent import (
 )
 
 from rpc_registry import (
+    OperatorSchemaError,
     RRef,
     WorkerInfo,
     WorkerNameError,
@@ -48,6 +49,7 @@ from rpc_registry import (
 # Called with arguments they do not take, on purpose.
 UNTYPED_ADD: Callable[..., Any] = torch.add
 UNTYPED_DIVMOD: Callable[..., Any] = divmod
+UNTYPED_ZEROS: Callable[..., Any] = torch.zeros
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -176,8 +178,19 @@ def test_torch_operator_with_no_matching_schema_raises_torchs_runtime_error_that
         RuntimeError, match=r"^Overloaded torch operator invoked from Python failed to match any schema"
     ):
         rpc_sync("w1", UNTYPED_ADD, args=())
-    with pytest.raises(TypeError, match=r"add\(\): argument 'other' \(position 2\) must be Tensor"):
-        rpc_async("w1", UNTYPED_ADD, args=(torch.ones(1), "x")).wait()
+    with pytest.raises(TypeError, match=r"Expected a value of type 'Tensor' for argument 'other'"):
+        rpc_async("w1", UNTYPED_ADD, args=(torch.ones(1), "x"))  # at the call, as torch's
+
+
+@pytest.mark.parametrize("call", [rpc_sync, rpc_async, remote], ids=["rpc_sync", "rpc_async", "remote"])
+def test_an_operators_arguments_are_matched_to_its_schemas_at_the_call_as_torchs(
+    call: Callable[..., object],
+) -> None:
+    # torch.zeros(3) runs in Python, but an operator called through RPC takes
+    # its schema's types: the size is a list.
+    with pytest.raises(OperatorSchemaError, match=r"^Overloaded torch operator .*failed to match any schema"):
+        call("w1", UNTYPED_ZEROS, args=(3,))
+    assert rpc_sync("w1", torch.zeros, args=([3],)).tolist() == [0.0, 0.0, 0.0]
 
 
 def test_type_error_of_a_python_function_stays_a_plain_type_error() -> None:
@@ -205,7 +218,7 @@ def test_negative_timeout_other_than_minus_one_is_rejected() -> None:
 def test_get_worker_info_knows_every_worker() -> None:
     assert get_worker_info() == WorkerInfo("w0", 0)
     assert get_worker_info("w2") == WorkerInfo("w2", 2)
-    assert get_worker_info(name="w2") == get_worker_info(worker_name="w2") == WorkerInfo("w2", 2)
+    assert get_worker_info(worker_name="w2") == WorkerInfo("w2", 2)
 
 
 def test_init_rpc_twice_raises_already_initialized() -> None:

@@ -203,7 +203,7 @@ def test_rank_above_zero_waits_for_the_store_to_listen_then_connects() -> None:
     opener = threading.Thread(target=listen_later)
     opener.start()
     try:
-        _await_store("127.0.0.1", port, timeout=20.0)
+        assert _await_store("127.0.0.1", port, timeout=20.0)
         # It returned because the address accepts connections now, not by giving up.
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
@@ -215,16 +215,36 @@ def test_waiting_for_the_store_gives_up_after_its_timeout() -> None:
     from rpc_registry.rendezvous import _await_store
 
     start = time.monotonic()
-    _await_store("127.0.0.1", _free_port(), timeout=0.2)  # nothing listens there
+    assert not _await_store("127.0.0.1", _free_port(), timeout=0.2)  # nothing listens there
     assert time.monotonic() - start >= 0.2
 
 
 def test_init_rpc_names_the_rank_that_never_arrives_within_the_rendezvous_timeout(tcp: str) -> None:
     options = SocketOptions(rpc_timeout=0.5, init_method=tcp, rendezvous_timeout=2.0)
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"waited \d+\.\d s for all 3 workers.*ranks 1, 2 never arrived"):
+    with pytest.raises(
+        TimeoutError, match=r"waited \d+\.\d s for all 3 workers.*ranks 1, 2 never arrived"
+    ) as raised:
         init_rpc("lonely", backend=socket_backend(), rank=0, world_size=3, rpc_backend_options=options)
     assert 2.0 <= time.monotonic() - start < 3.0
+    # The only exception Python prints: not under the store's own timeout and its traceback.
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+
+
+def test_init_rpc_on_a_port_another_program_listens_on_fails_within_rpc_timeout_naming_it() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()  # accepts connections (the backlog), never answers
+        port = busy.getsockname()[1]
+        options = SocketOptions(rpc_timeout=2.0, init_method=f"tcp://127.0.0.1:{port}")
+        start = time.monotonic()
+        for rank in (0, 1):
+            with pytest.raises(TimeoutError, match=rf"rendezvous store at 127\.0\.0\.1:{port} "):
+                init_rpc("w", backend=socket_backend(), rank=rank, world_size=2, rpc_backend_options=options)
+        assert time.monotonic() - start < 8.0
+    for thread in threading.enumerate():  # the client left waiting gives up once the port closed
+        if thread.name.startswith("rpc_registry store client"):
+            thread.join(timeout=30)
 
 
 def test_init_rpc_without_a_store_host_fails_within_the_rendezvous_timeout() -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
+import torch.distributed.autograd as torch_dist_autograd
 import torch.distributed.rpc as torch_rpc
 from rpcreg_socket_agent import SocketAgent, SocketOptions, socket_backend
 
@@ -36,6 +39,30 @@ def test_every_public_name_of_torch_rpc_is_reachable() -> None:
     assert missing == []
 
 
+def test_every_public_name_of_torch_dist_autograd_is_reachable() -> None:
+    public = {name for name in dir(torch_dist_autograd) if not name.startswith("_")}
+    imports = {"Any", "TYPE_CHECKING", "annotations", "torch"}  # torch's module-level imports
+    assert sorted(name for name in public - imports if not hasattr(dist_autograd, name)) == []
+    assert set(dist_autograd.__all__) >= public - imports
+
+
+def _parameters(fn: object) -> list[tuple[str, str, object]]:
+    return [(p.name, p.kind.name, p.default) for p in inspect.signature(fn).parameters.values()]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("module", [torch_rpc, torch_dist_autograd], ids=["rpc", "autograd"])
+def test_every_python_function_takes_torchs_parameters(module: object) -> None:
+    ours = rpc_registry if module is torch_rpc else dist_autograd
+    functions = [name for name in dir(module) if inspect.isfunction(getattr(module, name))]
+    differ = {
+        name: (_parameters(getattr(module, name)), _parameters(getattr(ours, name)))
+        for name in functions
+        if not name.startswith("_") and name not in _NOT_API | _LEFT_OUT
+        if _parameters(getattr(module, name)) != _parameters(getattr(ours, name))
+    }
+    assert differ == {}
+
+
 def test_a_backends_options_and_agent_classes_are_reexported_lazily() -> None:
     socket_backend()
     assert rpc_registry.SocketOptions is SocketOptions
@@ -60,6 +87,7 @@ def _twice(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")  # torch 2.14
 def test_torchscript_target_gets_a_clear_error() -> None:
     scripted = torch.jit.script(_twice)
     for call in (rpc_registry.rpc_sync, rpc_registry.rpc_async, rpc_registry.remote):

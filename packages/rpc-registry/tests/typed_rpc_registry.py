@@ -38,7 +38,7 @@ def check_registry() -> None:
 def check_api() -> None:
     assert_type(rpc_sync("w1", torch.add, args=(torch.ones(1), 1)), torch.Tensor)
     assert_type(rpc_async("w1", torch.add, args=(torch.ones(1), 1)), Future[torch.Tensor])
-    rref = remote("w1", torch.ones, args=(2,))
+    rref = remote("w1", torch.ones, args=([2],))
     assert_type(rref, RRef[torch.Tensor])
     assert_type(rref.to_here(), torch.Tensor)
     assert_type(rref.owner(), WorkerInfo)

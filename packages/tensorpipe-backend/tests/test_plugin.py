@@ -69,3 +69,25 @@ def test_installed_distribution_is_the_default_backend(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "default-ok" in result.stdout
     assert TensorPipeAgent.__module__ == "tensorpipe_backend.agent"
+
+
+def test_rpc_registry_loads_the_backend_only_when_its_names_are_used() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        import warnings
+        warnings.filterwarnings("ignore", "Failed to initialize NumPy")
+        import rpc_registry as rpc
+        assert "tensorpipe_backend" not in sys.modules, "imported at import of rpc_registry"
+        options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4)
+        from tensorpipe_backend import TensorPipeAgent, TensorPipeRpcBackendOptions
+        assert type(options) is TensorPipeRpcBackendOptions and options.num_worker_threads == 4
+        assert rpc.TensorPipeAgent is TensorPipeAgent
+        print("lazy-ok")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "lazy-ok" in result.stdout

@@ -284,7 +284,7 @@ def test_calls_from_one_worker_are_handled_in_order() -> None:
 
 
 def test_rref_value_lives_on_its_owner() -> None:
-    rref: RRef[torch.Tensor] = remote("w1", torch.ones, args=(2,))
+    rref: RRef[torch.Tensor] = remote("w1", torch.ones, args=([2],))
     assert rref.owner() == WorkerInfo("w1", 1)
     assert torch.equal(rref.to_here(), torch.ones(2))
     assert torch.equal(rpc_sync("w2", RRef.to_here, args=(rref,)), torch.ones(2))

@@ -270,7 +270,7 @@ def forward_kept(dest: str) -> torch.Tensor:
 
 def send_to_owner_then_drop(owner: str) -> torch.Tensor:
     """Send this worker's only reference to a value to its owner, dropping it while the owner unpickles."""
-    rref = remote(owner, torch.ones, args=(2,))
+    rref = remote(owner, torch.ones, args=([2],))
     rref.to_here()
     future = rpc_async(owner, local_value_after, args=(SlowToLoad(0.2), rref))
     del rref
@@ -280,7 +280,7 @@ def send_to_owner_then_drop(owner: str) -> torch.Tensor:
 
 def return_an_rref_of(owner: str) -> tuple[SlowToLoad, RRef[torch.Tensor]]:
     """This worker's only reference to a value on ``owner`` (the caller), returned to it slowly."""
-    rref = remote(owner, torch.ones, args=(2,))
+    rref = remote(owner, torch.ones, args=([2],))
     rref.to_here()
     return SlowToLoad(0.2), rref
 

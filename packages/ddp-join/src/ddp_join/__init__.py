@@ -14,6 +14,9 @@ from ddp_join.sampler import UnevenDistributedSampler
 from ddp_join.zero import ZeroRedundancyOptimizer
 from ddp_join.zero_hook import hook_with_zero_step
 
+__version__ = "0.2.0"
+"""This distribution's version (see CHANGELOG.md)."""
+
 __all__ = [
     "CommHook",
     "DistributedDataParallel",

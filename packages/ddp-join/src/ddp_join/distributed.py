@@ -560,6 +560,15 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         """The process group gradients are reduced over."""
         return self.process_group
 
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name of :attr:`forward_sync_buffers`; setting it sets that."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The inner module's state dict (keys without a ``module.`` prefix)."""
         return self.module.state_dict(*args, **kwargs)

@@ -15,6 +15,9 @@ from join_core.recorder import CollectiveRecord, CollectiveRecorder, record_coll
 from join_core.shadow import CollectiveMismatchError, ShadowCollectives
 from join_core.watch import CollectiveWatchHandle, watch_collectives
 
+__version__ = "0.2.0"
+"""This distribution's version (see CHANGELOG.md)."""
+
 __all__ = [
     "DEFAULT_HANG_TIMEOUT",
     "DEFAULT_LIVENESS_TIMEOUT",

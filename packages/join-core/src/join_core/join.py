@@ -142,7 +142,8 @@ class Join:
         for joinable in self._joinables[1:]:
             if joinable.join_process_group != group:
                 raise ValueError("Using join context manager with multiple process groups")
-        self._group = group
+        # None (torch's joinables may return dist.group.WORLD, typed Optional): the default group.
+        self._group: dist.ProcessGroup = group if group is not None else _default_group()
         self._device = self._joinables[0].join_device
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
@@ -454,3 +455,13 @@ def _wait(work: dist.Work, timeout: timedelta | None, what: str) -> None:
         raise TimeoutError(
             f"Join: timed out after {timeout.total_seconds():.0f} s waiting for {what}"
         ) from error
+
+
+def _default_group() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError(
+            "Join: a joinable's join_process_group is None and the default process group is not "
+            "initialized; call torch.distributed.init_process_group() first"
+        )
+    return group

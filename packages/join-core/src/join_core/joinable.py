@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from typing_extensions import Protocol, runtime_checkable
 
 from join_core.hook import JoinHook
@@ -60,6 +59,12 @@ class Joinable(Protocol):
         ...
 
     @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        """The process group of this joinable's collectives, and of Join's."""
+    def join_process_group(self) -> Any:
+        """The process group of this joinable's collectives, and of Join's: a
+        ``torch.distributed.ProcessGroup``, or None for the default group.
+
+        Typed ``Any`` as torch's ``Joinable`` types it, so that a joinable
+        written for torch's Join (returning ``dist.group.WORLD``, a
+        ``ProcessGroup | None``) satisfies this Protocol unchanged.
+        """
         ...

@@ -75,7 +75,9 @@ def _context(fn: Callable[..., Any]) -> BaseContext:
     # A fork server with torch already imported starts ranks in a fraction of
     # spawn's time; fork itself is unsafe once torch has started threads.
     ctx = multiprocessing.get_context("forkserver")
-    preload = ["torch", "torch.distributed"]
+    # torch imports its compiler (torch._dynamo, about a second of CPU) when a
+    # process makes its first optimizer: once in the server, not in every rank.
+    preload = ["torch", "torch.distributed", "torch._dynamo"]
     module = getattr(fn, "__module__", None)
     # The server, started at the first call, can also import fn's module (and
     # so what that imports) once for every rank, unless torch has CUDA: a

@@ -12,4 +12,6 @@ from lightning_join.evaluation import EvaluationSteps
 from lightning_join.metrics import gather_all_tensors
 from lightning_join.strategy import JoinDDPStrategy
 
+__version__ = "0.1.0"
+
 __all__ = ["EvaluationSteps", "JoinDDPStrategy", "gather_all_tensors"]

@@ -8,6 +8,8 @@ entry-point group ``rpc_registry.backends`` or :func:`register_backend`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch.distributed.distributed_c10d import Store
 
 from . import api, constants, functions
@@ -57,6 +59,15 @@ from .registry import (
 from .rref import RRef
 from .slow_calls import DEFAULT_SLOW_CALL_THRESHOLD, report_slow_calls
 
+if TYPE_CHECKING:
+    # For type checkers and editors only: at run time these names come from
+    # whichever installed backend declares them (see __getattr__), so
+    # importing rpc_registry loads no backend. Without tensorpipe-backend
+    # installed a checker sees them as unknown, and run time raises
+    # AttributeError with the install hint.
+    from tensorpipe_backend import TensorPipeAgent as TensorPipeAgent
+    from tensorpipe_backend import TensorPipeRpcBackendOptions as TensorPipeRpcBackendOptions
+
 PyRRef = RRef
 """torch's other name of :class:`RRef`."""
 
@@ -73,6 +84,9 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module 'rpc_registry' has no attribute {name!r}{hint}")
     return found
 
+
+__version__ = "0.2.0"
+"""This distribution's version (see CHANGELOG.md)."""
 
 __all__ = [
     "DEFAULT_SLOW_CALL_THRESHOLD",

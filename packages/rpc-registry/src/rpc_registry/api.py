@@ -32,7 +32,13 @@ from typing_extensions import TypeVarTuple, Unpack
 from . import rref as _rref
 from . import slow_calls
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, INSTALL_DEFAULT_BACKEND, UNSET_RPC_TIMEOUT
-from .errors import WorkerNameError, WorkerRefTypeError, not_initialized, operator_call
+from .errors import (
+    WorkerNameError,
+    WorkerRefTypeError,
+    check_operator_arguments,
+    not_initialized,
+    operator_call,
+)
 from .functions import is_async_execution
 from .grad_contexts import WITH_GRAD, GradContainer
 from .protocols import Message, RpcAgent, RpcBackendOptions, WorkerInfo
@@ -927,14 +933,9 @@ def _left(deadline: float | None) -> float:
     return 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
 
 
-def get_worker_info(name: str | None = None, *, worker_name: str | None = None) -> WorkerInfo:
-    """The :class:`WorkerInfo` of worker ``name``, or of this worker when it is None.
-
-    ``worker_name=`` (torch's spelling) is accepted as well.
-    """
-    if name is not None and worker_name is not None:
-        raise TypeError("get_worker_info(): give the worker as name= or as worker_name=, not both")
-    return _current().agent.get_worker_info(name if name is not None else worker_name)
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """The :class:`WorkerInfo` of worker ``worker_name``, or of this worker when it is None."""
+    return _current().agent.get_worker_info(worker_name)
 
 
 def _check_callable(func: object) -> None:
@@ -1039,6 +1040,7 @@ def rpc_async(
     when the future they return completes.
     """
     _check_callable(func)
+    check_operator_arguments(func, tuple(args or ()), dict(kwargs or {}))
     state = _current()
     request = ("call", func, tuple(args or ()), dict(kwargs or {}))
     return state.request(state.worker(to), request, state.resolve_timeout(timeout))
@@ -1088,6 +1090,7 @@ def rpc_sync(
 ) -> T:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (see ``rpc_async``)."""
     _check_callable(func)
+    check_operator_arguments(func, tuple(args or ()), dict(kwargs or {}))
     state = _current()
     request = ("call", func, tuple(args or ()), dict(kwargs or {}))
     callee = state.worker(to)
@@ -1147,6 +1150,7 @@ def remote(
     first ``to_here()``.
     """
     _check_callable(func)
+    check_operator_arguments(func, tuple(args or ()), dict(kwargs or {}))
     state = _current()
     return state.remote(
         state.worker(to), func, tuple(args or ()), dict(kwargs or {}), state.resolve_timeout(timeout)

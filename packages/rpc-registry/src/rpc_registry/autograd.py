@@ -37,7 +37,11 @@ from .rref import completed, fail
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-__all__ = ["backward", "context", "get_gradients", "is_available", "running_backward"]
+__all__ = ["DistAutogradContext", "backward", "context", "get_gradients", "is_available", "running_backward"]
+
+DistAutogradContext = GradContext
+"""torch's name of the type of one distributed autograd context on one worker
+(:class:`~rpc_registry.grad_contexts.GradContext`)."""
 
 # The context whose backward pass this thread runs, while it runs it.
 _running = threading.local()

@@ -18,7 +18,9 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
+
+import torch
 
 T = TypeVar("T")
 
@@ -27,8 +29,15 @@ __all__ = [
     "OperatorSchemaError",
     "WorkerNameError",
     "WorkerRefTypeError",
+    "check_operator_arguments",
     "not_initialized",
 ]
+
+# Matches arguments to an operator's schemas without running it (what torch's
+# RPC does at the call).
+_resolve_packet: Final[Callable[..., str]] = vars(torch._C)[
+    "_jit_resolve_packet"
+]  # not in every torch's stubs
 
 
 class WorkerNameError(ValueError, RuntimeError):
@@ -55,15 +64,38 @@ def operator_call(func: Callable[..., T], args: tuple[Any, ...], kwargs: dict[st
     try:
         return func(*args, **kwargs)
     except TypeError as exc:
-        if (
-            type(func).__name__ != "builtin_function_or_method"
-            or getattr(func, "__module__", None) != "torch"
-        ):
+        if not _is_torch_operator(func):
             raise
         # torch's wording first, which callers may match.
         raise OperatorSchemaError(
             f"Overloaded torch operator invoked from Python failed to match any schema: {exc}"
         ) from exc
+
+
+def _is_torch_operator(func: object) -> bool:
+    return (
+        type(func).__name__ == "builtin_function_or_method" and getattr(func, "__module__", None) == "torch"
+    )
+
+
+def check_operator_arguments(func: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise :class:`OperatorSchemaError` at the call, as torch's RPC does, when ``func`` is a
+    torch operator none of whose schemas takes these arguments.
+
+    An operator called through RPC is matched against its TorchScript schemas,
+    which are stricter than its Python binding: ``torch.zeros(3)`` runs in
+    Python, but through RPC the size must be a list, ``args=((3,),)``.
+    """
+    if not _is_torch_operator(func):
+        return
+    try:
+        packet = getattr(torch.ops.aten, getattr(func, "__name__", ""))
+    except (AttributeError, RuntimeError):
+        return  # not an aten operator: called as a plain Python function
+    try:
+        _resolve_packet(packet._qualified_op_name, *args, **kwargs)
+    except RuntimeError as exc:
+        raise OperatorSchemaError(str(exc)) from None
 
 
 def not_initialized(rref: bool = False) -> RuntimeError:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Final
@@ -44,37 +45,41 @@ DEFAULT_RENDEZVOUS_TIMEOUT_S: Final = 1800.0
 UNLIMITED_INIT_S: Final = DEFAULT_RENDEZVOUS_TIMEOUT_S
 #: While waiting for the group: a warning naming who is missing, this often.
 PROGRESS_S: Final = 5.0
-# Waiting for the rendezvous store to listen: one probe every few ms.
+# Waiting for the rendezvous store to listen: one probe every few ms at first,
+# then every _STORE_SLOW_POLL_S once it has been missing for _STORE_FAST_S.
 _STORE_POLL_S: Final = 0.002
+_STORE_FAST_S: Final = 1.0
+_STORE_SLOW_POLL_S: Final = 0.05
 _STORE_PROBE_S: Final = 0.1
 
 
-def _await_store(host: str, port: int, timeout: float, rank: int = -1) -> None:
-    """Wait until the store's address accepts connections, polling every few milliseconds:
-    torch's store client, started too early, backs off for up to a second. Warns every
-    :data:`PROGRESS_S` seconds; gives up after ``timeout`` (the store's own connect then
-    reports the error)."""
-    started = time.monotonic()
-    deadline = started + timeout
-    next_note = started + PROGRESS_S
-    while time.monotonic() < deadline:
+def _await_store(host: str, port: int, timeout: float, rank: int = -1) -> bool:
+    """Wait until the store's address accepts connections, polling every few milliseconds
+    (torch's store client, started too early, backs off for up to a second); whether it
+    did within ``timeout``. Warns every :data:`PROGRESS_S` seconds."""
+    start = time.monotonic()
+    next_note = start + PROGRESS_S
+    while True:
         try:
             socket.create_connection((host, port), timeout=_STORE_PROBE_S).close()
-            return
+            return True
         except OSError:
-            time.sleep(_STORE_POLL_S)
-        now = time.monotonic()
-        if now >= next_note:
-            next_note = now + PROGRESS_S
-            logger.warning(
-                "init_rpc(rank=%d): waiting for rank 0's rendezvous store at %s:%d to listen "
-                "(%.0f s of at most %g s)",
-                rank,
-                host,
-                port,
-                now - started,
-                timeout,
-            )
+            now = time.monotonic()
+            waited = now - start
+            if waited >= timeout:
+                return False
+            if now >= next_note:
+                next_note = now + PROGRESS_S
+                logger.warning(
+                    "init_rpc(rank=%d): waiting for rank 0's rendezvous store at %s:%d to listen "
+                    "(%.0f s of at most %g s)",
+                    rank,
+                    host,
+                    port,
+                    waited,
+                    timeout,
+                )
+            time.sleep(min(_STORE_POLL_S if waited < _STORE_FAST_S else _STORE_SLOW_POLL_S, timeout - waited))
 
 
 def _address(url: str) -> tuple[str, int] | None:
@@ -143,6 +148,45 @@ def _tcp_store(host: str, port: int, world_size: int | None, is_master: bool, li
     return TCPStore(host, port, world_size, is_master, limit, wait_for_workers=False, multi_tenant=True)
 
 
+def _client_store(host: str, port: int, world_size: int | None, limit: timedelta, deadline: float) -> Store:
+    """The store client of a rank other than 0, given up on at ``deadline``.
+
+    torch's client waits without limit for the answer of whatever listens at
+    the address; when that is another program (a busy ``MASTER_PORT``), it
+    would wait forever. So it is made on a helper thread (torch releases the
+    GIL meanwhile), left behind if it never returns.
+    """
+    made: list[Store] = []
+    failed: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            made.append(_tcp_store(host, port, world_size, False, limit))
+        except BaseException as exc:  # noqa: BLE001 - raised again in the calling thread
+            failed.append(exc)
+
+    left = max(deadline - time.monotonic(), 0.001)
+    limit = min(limit, timedelta(seconds=left))  # torch's own connect gives up by the deadline too
+    thread = threading.Thread(target=make, name=f"rpc_registry store client {host}:{port}", daemon=True)
+    thread.start()
+    thread.join(left)
+    if failed:
+        raise failed[0]
+    if not made:
+        raise RuntimeError(
+            f"port {port} accepts connections but no rendezvous store answered there: another "
+            "program may be listening on it; give every worker the same free port "
+            "(MASTER_PORT, or the port of the tcp:// init_method)"
+        )
+    return made[0]
+
+
+def _answer_deadline(deadline: float, rpc_timeout: float) -> float:
+    """When a store found listening must have answered: one store operation's limit
+    (``rpc_timeout``; ``0``: none), within the rendezvous ``deadline``."""
+    return deadline if rpc_timeout <= 0 else min(deadline, time.monotonic() + rpc_timeout)
+
+
 def _rank_and_size(url: str, rank: int, world_size: int | None) -> tuple[int, int | None]:
     """The rank and world size, completed from the URL's query or (``env://``) the environment."""
     parsed = urlparse(url)
@@ -192,11 +236,20 @@ def rendezvous_store(
     if address is not None:
         rank, world_size = _rank_and_size(url, rank, world_size)
         host, port = address
-        if rank != 0:
-            _await_store(host, port, timeout, rank)
         try:
+            if rank != 0 and not _await_store(host, port, timeout, rank):
+                raise RuntimeError(
+                    "nothing accepted a connection there; start rank 0, which hosts it, with the "
+                    "same address and port"
+                )
             left = timedelta(seconds=max(started + timeout - time.monotonic(), _STORE_PROBE_S))
-            store: Store = _tcp_store(host, port, world_size, rank == 0, left)
+            store: Store = (
+                _tcp_store(host, port, world_size, True, left)
+                if rank == 0
+                else _client_store(
+                    host, port, world_size, left, _answer_deadline(started + timeout, rpc_timeout)
+                )
+            )
         except (RuntimeError, OSError) as exc:
             waited = time.monotonic() - started
             role = "host" if rank == 0 else "reach"
@@ -233,7 +286,7 @@ def _await_arrivals(
         try:
             store.wait(keys, timedelta(seconds=max(min(left, PROGRESS_S), 0.001)))
             return
-        except RuntimeError as exc:
+        except RuntimeError:
             missing = [r for r, key in enumerate(keys) if not store.check([key])]
             if not missing:
                 raise
@@ -254,4 +307,4 @@ def _await_arrivals(
                 f"rendezvous at {url}; {ranks} never arrived. Start every worker with the same "
                 "init_method and world_size, or raise the options' rendezvous_timeout "
                 f"(now {deadline - started:g} s)"
-            ) from exc
+            ) from None  # the store's "wait timeout" adds nothing, and would be printed first

@@ -24,6 +24,9 @@ from .plugin import BACKEND_NAME, PLUGIN, ensure_registered, init_backend_handle
 from .secret import AUTH_TOKEN_ENV
 from .wire import FrameError
 
+__version__ = "0.2.0"
+"""This distribution's version (see CHANGELOG.md)."""
+
 __all__ = [
     "ADDR_ENV",
     "AUTH_TOKEN_ENV",
