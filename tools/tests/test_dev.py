@@ -24,7 +24,7 @@ SKIPPED [1] tests/test_b.py:40: needs NCCL
 def test_unit_environment_holds_the_package_and_the_siblings_it_declares() -> None:
     assert dev.siblings("join-core") == ["join-core"]
     assert dev.siblings("ddp-join") == ["ddp-join", "join-core"]
-    assert dev.siblings("tensorpipe-backend") == ["rpc-registry", "tensorpipe-backend"]
+    assert dev.siblings("tensorpipe-backend") == ["join-core", "rpc-registry", "tensorpipe-backend"]
     envs = dev.environments()
     assert envs["unit-ddp-join"].editable == ("ddp-join", "join-core")
     assert all(e.over[:1] == ("torch",) for name, e in envs.items() if name != "torch")
