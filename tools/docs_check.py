@@ -90,8 +90,12 @@ def _where(path: Path) -> Path:
     return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 
 
-ANCHOR = re.compile(r'id="((?:join_core|ddp_join|rpc_registry|tensorpipe_backend)(?:\.\w+)+)"')
-MENTION = re.compile(r"`((?:join_core|ddp_join|rpc_registry|tensorpipe_backend)(?:\.\w+)+)")
+# Our import names, from the package folders.
+_OURS = "|".join(
+    sorted(p.parent.name.replace("-", "_") for p in (ROOT / "packages").glob("*/pyproject.toml"))
+)
+ANCHOR = re.compile(rf'id="((?:{_OURS})(?:\.\w+)+)"')
+MENTION = re.compile(rf"`((?:{_OURS})(?:\.\w+)+)")
 
 
 def reference_problems(site: Path) -> list[str]:

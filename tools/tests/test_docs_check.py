@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import api_reference
+import dev
 import docs_check
 
 ABORT = "terminate called without an active exception"
@@ -84,7 +85,7 @@ def test_the_benchmarks_page_shows_every_results_table_it_names() -> None:
 
 def _site(tmp_path: Path, drop: str, add: str) -> Path:
     """A built site whose reference pages show every public name but ``drop``, and ``add``."""
-    for dist in ("join-core", "ddp-join", "rpc-registry", "tensorpipe-backend"):
+    for dist in dev.packages():
         names = api_reference.public_names(dist)
         anchors = [m for m in names if "." in m] + [f"{m}.{n}" for m, found in names.items() for n in found]
         anchors += [f"{m}.Member.method" for m in names]  # members of names are not names

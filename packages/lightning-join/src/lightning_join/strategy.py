@@ -60,13 +60,15 @@ class JoinDDPStrategy(DDPStrategy):
     ``Trainer(use_distributed_sampler=False)`` and, for example,
     :class:`ddp_join.UnevenDistributedSampler` in the train dataloader.
 
+    ``accelerator``, ``parallel_devices``, ``cluster_environment``,
+    ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``,
+    ``timeout`` and ``start_method`` are as
+    :class:`~lightning.pytorch.strategies.DDPStrategy`'s; ``ddp_comm_state``
+    and ``ddp_comm_hook`` are a communication hook registered with
+    :meth:`ddp_join.DistributedDataParallel.register_comm_hook` (on any
+    device, not only CUDA).
+
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io,
-            precision_plugin, process_group_backend, timeout, start_method:
-            as :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
-        ddp_comm_state, ddp_comm_hook: a communication hook registered with
-            :meth:`ddp_join.DistributedDataParallel.register_comm_hook` (on
-            any device, not only CUDA).
         ddp_comm_wrapper: not supported (must be None): wrap the hook yourself.
         model_averaging_period: not supported (must be None): post-local SGD
             needs torch's own DistributedDataParallel.
