@@ -12,7 +12,7 @@ from typing import Any, Final, Union, cast
 
 import torch
 
-from rpc_registry import DEFAULT_INIT_METHOD, DEFAULT_RPC_TIMEOUT_SEC
+from rpc_registry import DEFAULT_INIT_METHOD, DEFAULT_RPC_TIMEOUT_SEC, RpcBackendOptions
 
 __all__ = [
     "DEFAULT_NUM_WORKER_THREADS",
@@ -85,7 +85,7 @@ def to_device_map(device_map: dict[DeviceType, DeviceType]) -> DeviceMap:
     return full
 
 
-class TensorPipeRpcBackendOptions:
+class TensorPipeRpcBackendOptions(RpcBackendOptions):
     """Options of the TENSORPIPE backend (see ``rpc_registry.init_rpc``).
 
     ``num_worker_threads`` threads hand incoming calls to the RPC layer;
