@@ -99,12 +99,13 @@ class CollectiveWatch:
         """This rank's summary for the heartbeat."""
         rec = self._recorder
         pending = rec.pending(self._group)
-        last = rec.records(self._group)[-_SUMMARY_RECORDS:]
+        last = rec.latest(self._group, _SUMMARY_RECORDS)
         stuck = None
         if pending and self._hang_timeout is not None:
             oldest = pending[0]
             waited = time.time() - oldest.started
-            if waited > self._threshold(oldest):
+            # The threshold is at least the timeout: the median (a sort of the ring) only past it.
+            if waited > self._hang_timeout and waited > self._threshold(oldest):
                 stuck = {"record": oldest.as_dict(), "waited": waited}
         seen = {r.seq: r for r in [*last, *pending]}
         body = {"records": [seen[s].as_dict() for s in sorted(seen)], "stuck": stuck}

@@ -182,6 +182,21 @@ class CollectiveRecorder:
         found = list(self._records)
         return found if group is None else [r for r in found if r.group == group]
 
+    def latest(self, group: str, count: int) -> list[CollectiveRecord]:
+        """The last ``count`` records of ``group``, oldest first (without copying the ring)."""
+        for _ in range(3):
+            found: list[CollectiveRecord] = []
+            try:
+                for record in reversed(self._records):
+                    if len(found) == count:
+                        break
+                    if record.group == group:
+                        found.append(record)
+            except RuntimeError:  # a collective was recorded meanwhile
+                continue
+            return found[::-1]
+        return [r for r in list(self._records) if r.group == group][-count:]
+
     def pending(self, group: str | None = None) -> list[CollectiveRecord]:
         """The collectives issued and not yet seen complete, oldest first."""
         self._sweep()
