@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
+import time
 
 import pytest
 from tpb_workers import CONTEXT, share_then_die
 
 from tensorpipe_backend.shm import SharedFiles, host_identity, sweep_dead_senders
 
-pytestmark = [pytest.mark.skipif(not host_identity(), reason="no usable /dev/shm"), pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.skipif(not host_identity(), reason="no usable /dev/shm"), pytest.mark.timeout(180)]
+
+#: A spawned child imports torch first: on a loaded machine that alone can take most of a minute.
+_REPORT_TIMEOUT_S = 120
 
 
 def _files_of(pid: int) -> list[str]:
@@ -22,7 +27,16 @@ def _killed_sender() -> int:
     sent = CONTEXT.Queue()
     worker = CONTEXT.Process(target=share_then_die, args=(sent,), daemon=True)
     worker.start()
-    pid: int = sent.get(timeout=30)
+    deadline = time.monotonic() + _REPORT_TIMEOUT_S
+    while True:
+        try:
+            report: int | str = sent.get(timeout=1)
+            break
+        except queue.Empty:
+            assert worker.is_alive(), f"the sender exited with code {worker.exitcode} before reporting"
+            assert time.monotonic() < deadline, f"the sender did not report within {_REPORT_TIMEOUT_S} s"
+    assert isinstance(report, int), f"the sender failed: {report}"
+    pid = report
     assert len(_files_of(pid)) >= 2
     os.kill(pid, signal.SIGKILL)
     worker.join(timeout=10)

@@ -486,10 +486,14 @@ def share_then_die(sent: Any) -> None:
     from tensorpipe_backend.shm import SharedFiles
     from tensorpipe_backend.wire import tensor_bytes
 
-    files = SharedFiles()
-    pooled = files.write(tensor_bytes(torch.ones(1 << 18)))
-    while files.write(tensor_bytes(torch.ones(1 << 18)))[1]:
-        pass  # fill the pool until a tensor gets a file of its own
+    try:
+        files = SharedFiles()
+        pooled = files.write(tensor_bytes(torch.ones(1 << 18)))
+        while files.write(tensor_bytes(torch.ones(1 << 18)))[1]:
+            pass  # fill the pool until a tensor gets a file of its own
+    except Exception as error:  # noqa: BLE001 - the test names it
+        sent.put(f"{type(error).__name__}: {error}")
+        return
     sent.put(os.getpid())
     del pooled
     time.sleep(60)
