@@ -12,6 +12,7 @@ from join_core.join import Join, JoinAbortedError
 from join_core.joinable import Joinable
 from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, RankLostError
 from join_core.recorder import CollectiveRecord, CollectiveRecorder, record_collectives, recorder
+from join_core.regroup import RankRemovedError, Recovery
 from join_core.shadow import CollectiveMismatchError, ShadowCollectives
 from join_core.watch import CollectiveWatchHandle, watch_collectives
 
@@ -31,6 +32,8 @@ __all__ = [
     "JoinHook",
     "Joinable",
     "RankLostError",
+    "RankRemovedError",
+    "Recovery",
     "ShadowCollectives",
     "install_exit_grace",
     "record_collectives",

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
 __all__ = ["JoinHook"]
 
 
@@ -20,6 +25,9 @@ class JoinHook:
       joinable still owes for an iteration it began and did not finish.
     - :meth:`enter_hook` and :meth:`exit_hook` bracket the context, for a
       joinable whose state lives exactly as long as it.
+    - :meth:`regroup_hook` moves the joinable onto the survivors' process
+      group after a rank was lost (``Join(on_rank_lost="continue")``); a hook
+      that does not override it makes such a Join refuse to start.
 
     A hook whose joinable carries Join's heartbeat in its own first
     per-iteration all-reduce sets :attr:`carries_heartbeat` (see
@@ -58,3 +66,18 @@ class JoinHook:
         Runs after :meth:`post_hook` or the abort, in reverse joinable order,
         on every hook whose :meth:`enter_hook` returned.
         """
+
+    def regroup_hook(self, group: dist.ProcessGroup) -> None:
+        """Move the joinable onto ``group``, the process group of the ranks
+        that survived a loss, from which every later collective is issued.
+
+        Called on every surviving rank, in joinable order, once the survivors
+        agreed on who is lost (see :meth:`join_core.Join.recover`). The
+        joinable's collective that failed is then completed by the joinable
+        itself, on ``group``.
+
+        Raises:
+            NotImplementedError: here; a joinable that can go on without the
+                lost ranks overrides it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot move onto the survivors' process group")

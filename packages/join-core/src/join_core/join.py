@@ -8,7 +8,7 @@ import threading
 import warnings
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from join_core.hook import JoinHook
 from join_core.joinable import Joinable
 from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, LivenessWatchdog, RankLostError
 from join_core.recorder import record_collectives
+from join_core.regroup import RankRemovedError, Recovery, agree, build_group, removed_at
 
 __all__ = ["Join", "JoinAbortedError"]
 
@@ -31,6 +32,10 @@ SKEW_WARN_THRESHOLD: Final = 1000
 ABORT_TIMEOUT: Final = timedelta(seconds=30)
 #: Bytes of each rank's failure message exchanged on abort.
 _REASON_BYTES: Final = 1024
+
+_ON_RANK_LOST: Final = ("raise", "continue")
+#: How often a survivor looks for the others' arrival in the agreement.
+_AGREEMENT_POLL_S: Final = 0.02
 
 _ACTIVE_SIGNAL: Final = 1.0
 _JOINED_SIGNAL: Final = 0.0
@@ -99,6 +104,16 @@ class Join:
             enter different collectives at the same sequence number raise
             :class:`CollectiveDesyncError` within about two heartbeats
             whatever this is.
+        on_rank_lost: ``"raise"``: a lost rank makes every other rank raise
+            :class:`RankLostError`. ``"continue"``: the survivors agree on who
+            is lost, build a process group of their own (:attr:`process_group`),
+            move every joinable onto it (:meth:`JoinHook.regroup_hook`) and
+            go on: the lost rank counts as a rank that joined for good. The
+            collective that failed is completed by its joinable without the
+            lost ranks' part in it, or raises :class:`RankLostError` saying
+            why it cannot be. A rank that was declared lost and comes back
+            raises :class:`join_core.RankRemovedError`. Needs the liveness
+            watch, and joinables that support it (DistributedDataParallel).
         kwargs: passed to every joinable's ``join_hook``.
 
     Example::
@@ -117,6 +132,7 @@ class Join:
         *,
         liveness_timeout: timedelta | None = DEFAULT_LIVENESS_TIMEOUT,
         hang_timeout: timedelta | None = DEFAULT_HANG_TIMEOUT,
+        on_rank_lost: Literal["raise", "continue"] = "raise",
         **kwargs: Any,
     ) -> None:
         given: object = joinables  # callers without type checking pass anything
@@ -166,6 +182,10 @@ class Join:
         self._liveness_timeout = liveness_timeout
         self._hang_timeout = hang_timeout
         self._liveness: LivenessWatchdog | None = None
+        self._on_rank_lost = _check_on_rank_lost(on_rank_lost, liveness_timeout, self._joinables, self._hooks)
+        self._members = _global_ranks(self._group)  # global rank of each rank of the current group
+        self._lost: dict[int, str] = {}  # global rank -> what was seen, and when it was removed
+        self._regroup_prefix = ""  # the first watch's, under which every agreement of this Join is kept
         record_collectives()
         install_exit_grace()
 
@@ -176,6 +196,13 @@ class Join:
         if not self._enable:
             return self
         self._fused = self._hooks[0].carries_heartbeat  # a joinable may change it until now
+        if self._on_rank_lost == "continue" and not self._fused and self._world_size > 1:
+            raise ValueError(
+                f"Join(on_rank_lost='continue'): {type(self._joinables[0]).__name__}, the first joinable, "
+                "must carry the heartbeat in its own all-reduce (DistributedDataParallel does, with its "
+                "built-in reduction and float32 or float64 gradients); put such a joinable first, or "
+                "use on_rank_lost='raise'"
+            )
         with _registry_lock:
             for joinable in self._joinables:
                 entry = _lookup(joinable)
@@ -193,6 +220,7 @@ class Join:
             if self._liveness_timeout is not None and self._world_size > 1:
                 self._liveness = LivenessWatchdog(self._group, self._liveness_timeout, self._hang_timeout)
                 self._liveness.start()
+                self._regroup_prefix = f"{self._liveness.prefix}regroup/"
         except BaseException:
             self._leave()
             raise
@@ -234,6 +262,120 @@ class Join:
                 for joinable in self._joinables:
                     if _lookup(joinable) is not None:
                         del _registry[id(joinable)]
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The process group the Join and its joinables use now: the joinables'
+        own until a rank is lost, then the survivors' (``on_rank_lost="continue"``).
+
+        ``torch.distributed``'s default group, ranks and world size stay those
+        of the start; after a loss the default group cannot complete a
+        collective any more: issue your own collectives on this group, with
+        ``dist.get_rank(join.process_group)`` as the rank."""
+        return self._group
+
+    @property
+    def lost_ranks(self) -> dict[int, str]:
+        """Global rank -> what was seen, of each rank lost so far and gone on without."""
+        return dict(self._lost)
+
+    @staticmethod
+    def continues_on_loss(joinable: Joinable) -> bool:
+        """Whether ``joinable`` is inside an entered Join with ``on_rank_lost="continue"``:
+        it then keeps what it needs to redo a collective without a lost rank's part."""
+        found = _lookup(joinable)
+        if found is None or not found[0]._enable:
+            return False
+        join = found[0]
+        return join._on_rank_lost == "continue" and join._world_size > 1
+
+    @staticmethod
+    def recover(joinable: Joinable, position: int, failure: BaseException) -> Recovery:
+        """Called by ``joinable`` when one of its collectives failed: go on
+        without the lost ranks, or raise.
+
+        With ``on_rank_lost="continue"`` and a rank lost, the survivors agree
+        on who is lost and where each of them was (``position``: the
+        joinable's own count, e.g. of finished reductions, compared across
+        survivors), build their process group and move every joinable onto it
+        (:meth:`JoinHook.regroup_hook`, this one's included). Returns what was
+        agreed; the joinable then completes its failed collective on
+        ``Recovery.group``.
+
+        Raises:
+            RankLostError: ``on_rank_lost="raise"``, or the survivors cannot go on.
+            RankRemovedError: this rank was declared lost by the others.
+            CollectiveDesyncError: the failure came from a desync, not a loss.
+            BaseException: ``failure`` itself, when no rank was lost.
+        """
+        found = _lookup(joinable)
+        if found is None:
+            raise failure
+        return found[0]._recover(position, failure)
+
+    def _recover(self, position: int, failure: BaseException) -> Recovery:
+        watch = self._liveness
+        if watch is None:
+            raise failure
+        if not isinstance(failure, (RankLostError, CollectiveDesyncError)) and not _is_communication_failure(
+            failure
+        ):
+            raise failure
+        verdict = failure if isinstance(failure, RankLostError) else watch.wait_for_failure()
+        if self._on_rank_lost == "continue" and watch.rank in watch.published_verdict():
+            me = self._members[watch.rank]
+            lost_key = _lost_key(set(self._lost) | {me})
+            raise RankRemovedError(
+                me, removed_at(watch.store(), f"{self._regroup_prefix}{lost_key}/"), "its heartbeat stopped"
+            ) from failure
+        if verdict is None:
+            raise failure
+        if not isinstance(verdict, RankLostError) or self._on_rank_lost != "continue":
+            raise verdict from failure
+        newly = {self._members[rank]: seen for rank, seen in verdict.ranks.items()}
+        lost = {**self._lost, **newly}
+        expected = [rank for rank in self._members if rank not in lost]
+        me = self._members[self._rank]
+        watched = {member: index for index, member in enumerate(self._members)}
+        assert self._liveness_timeout is not None  # a watch runs
+        agreement = agree(
+            watch.store(),
+            f"{self._regroup_prefix}{_lost_key(set(lost))}/",
+            me,
+            expected,
+            position,
+            self._iterations,
+            lambda rank: watch.quiet_for(watched[rank]),
+            self._liveness_timeout,
+            _AGREEMENT_POLL_S,
+        )
+        for rank in expected:
+            if rank not in agreement.members:  # fell silent during the agreement
+                lost[rank] = "its heartbeat stopped while the survivors agreed on who goes on"
+        iteration = min(agreement.iterations)
+        group = build_group(agreement.members, self._group)
+        logger.warning(
+            "Join: rank %d goes on without rank(s) %s from iteration %d, on a group of %d",
+            me,
+            sorted(set(lost) - set(self._lost)),
+            iteration,
+            len(agreement.members),
+        )
+        for rank in set(lost) - set(self._lost):
+            lost[rank] = f"{lost[rank]}; removed at iteration {iteration}"
+        self._lost = lost
+        self._group = group
+        self._members = agreement.members
+        self._rank = agreement.members.index(me)
+        self._world_size = len(agreement.members)
+        for hook in self._hooks:
+            hook.regroup_hook(group)
+        watch.stop()
+        self._liveness = None
+        if self._world_size > 1:
+            self._liveness = LivenessWatchdog(group, self._liveness_timeout, self._hang_timeout)
+            self._liveness.start()
+        return Recovery(group, self._rank, agreement.members, agreement.positions, iteration, dict(lost))
 
     # The rank's own side: joined or failing.
 
@@ -465,3 +607,34 @@ def _default_group() -> dist.ProcessGroup:
             "initialized; call torch.distributed.init_process_group() first"
         )
     return group
+
+
+def _check_on_rank_lost(
+    on_rank_lost: str, liveness_timeout: timedelta | None, joinables: list[Joinable], hooks: list[JoinHook]
+) -> str:
+    if on_rank_lost not in _ON_RANK_LOST:
+        raise ValueError(f"Join(on_rank_lost={on_rank_lost!r}): must be 'raise' or 'continue'")
+    if on_rank_lost == "continue":
+        if liveness_timeout is None:
+            raise ValueError(
+                "Join(on_rank_lost='continue', liveness_timeout=None): a lost rank is found by the "
+                "liveness watch; give a liveness_timeout"
+            )
+        for joinable, hook in zip(joinables, hooks):
+            if type(hook).regroup_hook is JoinHook.regroup_hook:
+                raise ValueError(
+                    f"Join(on_rank_lost='continue'): {type(joinable).__name__} cannot go on without a lost "
+                    "rank (its hook has no regroup_hook); use on_rank_lost='raise'"
+                )
+    return on_rank_lost
+
+
+def _global_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    size = dist.get_world_size(group)
+    if group is dist.group.WORLD:
+        return tuple(range(size))
+    return tuple(int(dist.get_global_rank(group, rank)) for rank in range(size))
+
+
+def _lost_key(lost: set[int]) -> str:
+    return "-".join(str(rank) for rank in sorted(lost))

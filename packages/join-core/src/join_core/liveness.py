@@ -86,18 +86,24 @@ class RankLostError(RuntimeError):
     cut off: it stopped sending heartbeats for longer than the liveness timeout.
 
     The process group can no longer be used; destroy it and restart the job
-    (torchrun restarts it with ``--max-restarts``).
+    (torchrun restarts it with ``--max-restarts``), or let the survivors go on
+    with ``Join(on_rank_lost="continue")``.
 
     Attributes:
         ranks: each lost rank (in the Join's process group), with what was seen.
     """
 
-    def __init__(self, ranks: dict[int, str]) -> None:
+    def __init__(self, ranks: dict[int, str], detail: str | None = None) -> None:
         self.ranks = ranks
-        detail = "; ".join(f"rank {rank} ({seen})" for rank, seen in sorted(ranks.items()))
+        seen = "; ".join(f"rank {rank} ({seen})" for rank, seen in sorted(ranks.items()))
         super().__init__(
-            f"Join aborted: lost {detail}; the process group cannot complete a collective any more: "
-            "destroy it and restart the job"
+            f"Join aborted: lost {seen}; "
+            + (
+                detail
+                if detail is not None
+                else "the process group cannot complete a collective any more: destroy it and restart "
+                "the job, or pass Join(on_rank_lost='continue') to go on without it"
+            )
         )
 
 
@@ -163,6 +169,8 @@ class LivenessWatchdog:
         self._hosts_store = False  # this process serves the store: it outlives the others' reading
         self._departed: set[int] = set()  # ranks that left their Join (set by the thread)
         self._beats_seen: dict[int, int] = {}  # rank -> how often its counter was seen moving (the thread's)
+        self._moved: dict[int, float] = {}  # rank -> when its counter last moved (the thread's)
+        self._main_store: Store | None = None  # the main thread's own client, made when first needed
         # Not a daemon: the interpreter waits for it at exit (a thread killed inside torch's store
         # client aborts the process), and stop() need not.
         self._thread = threading.Thread(target=self._run, name="join-liveness", daemon=False)
@@ -197,6 +205,7 @@ class LivenessWatchdog:
         Returns at once; the thread says so within a store round trip, and
         the interpreter waits for it at exit."""
         self._stop.set()
+        self._main_store = None  # released now: a store client destroyed at interpreter exit aborts it
 
     def lost(self) -> dict[int, str]:
         """The lost ranks seen so far, with what was seen (empty while all are alive)."""
@@ -212,6 +221,44 @@ class LivenessWatchdog:
         liveness timeouts."""
         self._await_verdict()
         return self.lost()
+
+    @property
+    def prefix(self) -> str:
+        """The store prefix of this watch's keys."""
+        return self._prefix
+
+    @property
+    def interval(self) -> float:
+        """Seconds between heartbeats."""
+        return self._interval
+
+    @property
+    def rank(self) -> int:
+        """This rank, in the watched group."""
+        return self._rank
+
+    def quiet_for(self, rank: int) -> float | None:
+        """Seconds since ``rank``'s heartbeat last moved (as this watch saw it), or
+        None if it was never seen or left its Join. Goes on after a verdict."""
+        if rank in self._departed:
+            return None
+        moved = self._moved.get(rank)
+        return None if moved is None else time.monotonic() - moved
+
+    def store(self) -> Store:
+        """A store client of the calling thread's own, whose calls time out after the liveness timeout."""
+        if self._main_store is None:
+            self._main_store = _own_client(self._group.get_group_store(), self._timeout)
+        return self._main_store
+
+    def published_verdict(self) -> dict[int, str]:
+        """The verdict published in the store by any rank, this one's own name
+        included (a rank that was away reads it to learn that it was removed);
+        {} if none or malformed."""
+        store = self.store()
+        if not store.check([self._verdict_key()]):
+            return {}
+        return self._adopt(store.get(self._verdict_key()), allow_self=True)
 
     def failure(self) -> BaseException | None:
         """The verdict reached so far, as the error to raise; None while there is none."""
@@ -299,8 +346,9 @@ class LivenessWatchdog:
             with suppress(Exception):  # a survivor that never reads it: its own verdict stands
                 store.wait(waiting, self._timeout)
 
-    def _adopt(self, raw: bytes) -> dict[int, str]:
-        """The verdict another rank published (it reached one first), or {} if malformed."""
+    def _adopt(self, raw: bytes, allow_self: bool = False) -> dict[int, str]:
+        """The verdict another rank published (it reached one first), or {} if malformed
+        (or, unless ``allow_self``, naming this rank)."""
         if len(raw) > _MAX_VERDICT_BYTES:
             return {}
         try:
@@ -308,7 +356,9 @@ class LivenessWatchdog:
             lost = {int(rank): str(seen)[:500] for rank, seen in parsed.items()}
         except (ValueError, TypeError, AttributeError, RecursionError):
             return {}
-        if not lost or not all(0 <= rank < self._world_size and rank != self._rank for rank in lost):
+        if not lost or not all(
+            0 <= rank < self._world_size and (allow_self or rank != self._rank) for rank in lost
+        ):
             return {}
         return lost
 
@@ -317,7 +367,7 @@ class LivenessWatchdog:
         endpoints: dict[int, set[_Endpoint]] = {}
         store_hosts: set[int] = set()  # ranks whose process serves the store
         last: dict[int, bytes] = {}
-        moved: dict[int, float] = {}  # rank -> when its counter last moved
+        moved = self._moved  # rank -> when its counter last moved
         departed: set[int] = set()
         timeout_s = self._timeout.total_seconds()
         beat = 0
@@ -402,7 +452,7 @@ class LivenessWatchdog:
             if now - last_round > timeout_s / 2:
                 # This thread itself was held up (a loaded host, a stopped
                 # process resumed): nobody's silence can be judged from it.
-                moved = dict.fromkeys(moved, now)
+                moved.update(dict.fromkeys(moved, now))
             last_round = now
             for rank, value in zip(watched, values):
                 value = value[:_BEAT_BYTES]
