@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from join_core import (
     DEFAULT_LIVENESS_TIMEOUT,
     Join,
     JoinHook,
+    RankLostError,
     install_exit_grace,
     record_collectives,
 )
@@ -92,6 +93,10 @@ class _Bucket:
     reduced: torch.Tensor | None = None
     # Each .grad is a view into the buffer (gradient_as_bucket_view, same dtype).
     as_view: bool = False
+    # Join(on_rank_lost="continue") only: the buffer as launched (to redo its reduction
+    # without a lost rank), and as last reduced (for survivors that could not finish it).
+    backup: torch.Tensor | None = None
+    completed: torch.Tensor | None = None
     grads: torch.Tensor = field(init=False)
     views: list[torch.Tensor] = field(init=False)
 
@@ -131,6 +136,9 @@ _PER_STEP_STATE: Final = frozenset(
         "_used_since_sync",
         "_distributed",
         "_captured",
+        "_reductions",
+        "_launched_training",
+        "_handoff",
     }
 )
 
@@ -329,6 +337,12 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self._divide_by_initial_world_size = True
         self._buffer_src = 0  # group rank whose buffers the next forward takes
         self._meta_cache: dict[tuple[float, bool, torch.dtype], torch.Tensor] = {}
+        # Join(on_rank_lost="continue"): buckets keep copies (see _Bucket), and a failed
+        # collective is redone on the survivors' group.
+        self._keeps_copies = False
+        self._reductions = 0  # reductions completed on this rank (training or shadowing)
+        self._launched_training = True  # whether bucket 0 was last launched by a training rank
+        self._handoff = False  # this reduction's result came from a survivor that had finished it
 
         if init_sync:
             synced = list(module.parameters()) + (self._buffers_list if init_sync_buffers else [])
@@ -515,6 +529,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         *,
         liveness_timeout: timedelta | None = DEFAULT_LIVENESS_TIMEOUT,
         hang_timeout: timedelta | None = DEFAULT_HANG_TIMEOUT,
+        on_rank_lost: Literal["raise", "continue"] = "raise",
     ) -> Join:
         """A :class:`join_core.Join` over this model alone.
 
@@ -531,6 +546,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             hang_timeout: as :class:`join_core.Join`'s: a collective waiting
                 this long makes every rank log a hang report naming the
                 culprit; None turns the reports off.
+            on_rank_lost: as :class:`join_core.Join`'s: ``"continue"`` lets
+                the surviving ranks go on without a lost one.
         """
         return Join(
             [self],
@@ -538,6 +555,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             throw_on_early_termination=throw_on_early_termination,
             liveness_timeout=liveness_timeout,
             hang_timeout=hang_timeout,
+            on_rank_lost=on_rank_lost,
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
 
@@ -733,6 +751,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     def _launch(self, bucket: _Bucket, training: bool) -> None:
         rides = self._rides(bucket)
         if bucket.index == 0:
+            self._launched_training = training
             if rides:
                 bucket.buffer[: bucket.meta_len].copy_(self._signal_meta(training, bucket.buffer.dtype))
             elif self._flags_in_meta or Join.is_active(self):
@@ -743,6 +762,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         if rides or self._comm_hook is None:
             # The built-in reduction, in place: waited for through its work, no callback.
             bucket.reduced = bucket.buffer if rides else bucket.grads
+            if bucket.backup is not None:
+                bucket.backup.copy_(bucket.buffer)
             bucket.work = dist.all_reduce(bucket.reduced, group=self.process_group, async_op=True)
             return
         if self._meta_future is not None and not self._divide_by_initial_world_size:
@@ -780,6 +801,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         """Wait for each bucket in turn and write its gradients while later ones
         are still reduced; remember which rank's buffers to take next; return the
         carried heartbeat, if any."""
+        if self._keeps_copies:
+            self._await_reductions()
         first = self._buckets[0]
         first_result = first.result()
         meta: list[float] = []
@@ -826,12 +849,97 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                     param.grad = (reduced / scale).to(param.dtype)  # cast back from a reduce_dtype
                 else:
                     torch.div(reduced, scale, out=param.grad)
-        if meta:
+        if meta and not self._handoff:  # a handed-over result's flags are by the former group's ranks
             for rank, flag in enumerate(meta[1 : 1 + self._world_size]):
                 if flag > 0:
                     self._buffer_src = rank
                     break
+        self._handoff = False
+        self._reductions += 1
         return meta[0] if self._rides(first) else None
+
+    # Going on without a lost rank (Join(on_rank_lost="continue")).
+
+    def _await_reductions(self) -> None:
+        """Wait for every bucket's reduction; when one fails because a rank was
+        lost, complete it on the survivors' group. Then keep the results."""
+        while True:
+            try:
+                for bucket in self._buckets:
+                    bucket.result()
+                break
+            except Exception as failure:  # noqa: BLE001 - Join.recover re-raises what it cannot recover
+                self._recover(failure, _REDUCING)
+        for bucket in self._buckets:
+            assert bucket.completed is not None
+            bucket.completed.copy_(bucket.buffer)
+
+    def _recover(self, failure: BaseException, phase: int) -> None:
+        """Agree with the survivors on where each was, then set up the redo.
+
+        Positions count collectives of this model: ``2 * reductions`` is the
+        buffer broadcast before reduction ``reductions``, ``+ 1`` the reduction.
+        Survivors all at one position redo it on the new group. Survivors that
+        finished reduction ``m`` (so are past it) while others failed in it
+        hand the others its result, then redo their own step. Any other spread
+        cannot be completed exactly: raise."""
+        position = 2 * self._reductions + phase
+        recovery = Join.recover(self, position, failure)
+        positions = recovery.positions
+        low, high = min(positions), max(positions)
+        if low == high:
+            if phase == _REDUCING:
+                self._relaunch()
+            return
+        handed_over = low % 2 == _REDUCING and (
+            high == low + 1 or (high == low + 2 and not self.will_sync_module_buffers())
+        )
+        if not handed_over or set(positions) != {low, high}:
+            where = ", ".join(
+                f"rank {rank} {_describe_position(value)}" for rank, value in zip(recovery.members, positions)
+            )
+            raise RankLostError(
+                dict(recovery.lost),
+                detail=f"the survivors cannot complete the interrupted step exactly: {where}; "
+                "restart from a checkpoint",
+            ) from failure
+        src = global_rank(recovery.group, positions.index(high))
+        behind = position == low
+        handoff = []
+        for bucket in self._buckets:
+            target = bucket.buffer if behind else bucket.completed
+            assert target is not None
+            handoff.append(dist.broadcast(target, src=src, group=recovery.group, async_op=True))
+        if behind:
+            # This reduction's result is what the survivors ahead got: take it as is.
+            for bucket, work in zip(self._buckets, handoff):
+                bucket.work = work
+                bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
+            self._handoff = True
+            return
+        for work in handoff:
+            work.wait()
+        if phase == _REDUCING:
+            self._relaunch()
+
+    def _relaunch(self) -> None:
+        """Reduce every bucket again, as launched, on the survivors' group."""
+        for bucket in self._buckets:
+            assert bucket.backup is not None
+            bucket.buffer.copy_(bucket.backup)
+            if self._rides(bucket):
+                meta = self._signal_meta(self._launched_training, bucket.buffer.dtype)
+                bucket.buffer[: bucket.meta_len].copy_(meta)
+            bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
+            bucket.work = dist.all_reduce(bucket.reduced, group=self.process_group, async_op=True)
+
+    def _regroup(self, group: dist.ProcessGroup) -> None:
+        """Issue every later collective on ``group``, the survivors'; gradients
+        are still divided by the initial world size (or by the ranks training)."""
+        self.process_group = group
+        self._rank = dist.get_rank(group)
+        self._buffer_src = 0
+        self._meta_cache.clear()
 
     def _write_captured(
         self, index: int, bucket: _Bucket, position: int, grads: torch.Tensor, scale: int, builtin: bool
@@ -881,9 +989,15 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     # Collectives outside backward.
 
     def _sync_buffers(self) -> None:
-        if self._buffers_list:
-            src = global_rank(self.process_group, self._buffer_src)
-            self._broadcast_coalesced(self._buffers_list, src)
+        while self._buffers_list:
+            try:
+                src = global_rank(self.process_group, self._buffer_src)
+                self._broadcast_coalesced(self._buffers_list, src)
+                return
+            except Exception as failure:
+                if not self._keeps_copies:
+                    raise
+                self._recover(failure, _BROADCASTING)  # then again, from the survivors' rank 0
 
     def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int) -> None:
         """Broadcast tensors from global rank ``src``, one collective per dtype."""
@@ -898,6 +1012,15 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 for tensor in group:
                     tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
+
+
+_BROADCASTING: Final = 0  # position phases: the buffer broadcast before a reduction,
+_REDUCING: Final = 1  # and the reduction
+
+
+def _describe_position(position: int) -> str:
+    reduction, phase = divmod(position, 2)
+    return f"{'in' if phase == _REDUCING else 'before'} gradient reduction #{reduction}"
 
 
 def _reject_unsupported(
@@ -1013,13 +1136,32 @@ class _DDPJoinHook(JoinHook):
         # left unmatched even though nobody needed the result.
         for bucket in ddp._buckets:
             ddp._launch(bucket, training=False)
+        if ddp._keeps_copies:
+            ddp._await_reductions()
         if self.carries_heartbeat and not Join.heartbeat_result(ddp, float(ddp._buckets[0].result()[0])):
             for bucket in ddp._buckets[1:]:
                 bucket.result()
             ddp._reset_iteration()
+            ddp._reductions += 1
             return  # every rank has joined
         ddp._complete(shadow=True)
         ddp._reset_iteration()
+
+    def enter_hook(self) -> None:
+        ddp = self.ddp
+        ddp._keeps_copies = Join.continues_on_loss(ddp)
+        for bucket in ddp._buckets:
+            bucket.backup = torch.empty_like(bucket.buffer) if ddp._keeps_copies else None
+            bucket.completed = torch.empty_like(bucket.buffer) if ddp._keeps_copies else None
+
+    def exit_hook(self) -> None:
+        ddp = self.ddp
+        ddp._keeps_copies = False
+        for bucket in ddp._buckets:
+            bucket.backup = bucket.completed = None
+
+    def regroup_hook(self, group: dist.ProcessGroup) -> None:
+        self.ddp._regroup(group)
 
     def abort_hook(self) -> None:
         ddp = self.ddp
