@@ -43,17 +43,23 @@ def _lose_rank_2(rank: int, world_size: int, how: str, where: str) -> str:
         if rank == 2 and step == LOST_AT and where == spot:
             os.kill(os.getpid(), lose)
 
-    first = next(model.module.parameters())  # its gradient comes last in backward
-    first.register_hook(lambda grad: lose_here("between-buckets", current) or grad)
-    current = 0
+    current = [0]
+
+    def lose_between_buckets(grad: torch.Tensor) -> torch.Tensor:
+        lose_here("between-buckets", current[0])
+        return grad
+
+    # The first parameter's gradient comes last in backward: later buckets are reduced by then.
+    next(model.module.parameters()).register_hook(lose_between_buckets)
     try:
         with Join([model], on_rank_lost="continue", liveness_timeout=LIVENESS) as join:
-            for current in range(STEPS):
+            for step in range(STEPS):
+                current[0] = step
                 optimizer.zero_grad()
-                loss = loss_fn(model, *batch(rank, current))
-                lose_here("forward", current)
+                loss = loss_fn(model, *batch(rank, step))
+                lose_here("forward", step)
                 loss.backward()
-                lose_here("step", current)
+                lose_here("step", step)
                 optimizer.step()
     except RankRemovedError as removed:
         assert rank == 2, str(removed)

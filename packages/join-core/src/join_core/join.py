@@ -218,8 +218,7 @@ class Join:
                 hook.enter_hook()
                 self._entered_hooks.append(hook)
             if self._liveness_timeout is not None and self._world_size > 1:
-                self._liveness = LivenessWatchdog(self._group, self._liveness_timeout, self._hang_timeout)
-                self._liveness.start()
+                self._liveness = self._start_watch(self._group)
                 self._regroup_prefix = f"{self._liveness.prefix}regroup/"
         except BaseException:
             self._leave()
@@ -321,6 +320,8 @@ class Join:
             failure
         ):
             raise failure
+        if self._on_rank_lost == "continue":
+            watch.judge_closed_connection(failure)  # a process that ended is lost at once
         verdict = failure if isinstance(failure, RankLostError) else watch.wait_for_failure()
         if self._on_rank_lost == "continue" and watch.rank in watch.published_verdict():
             me = self._members[watch.rank]
@@ -373,9 +374,19 @@ class Join:
         watch.stop()
         self._liveness = None
         if self._world_size > 1:
-            self._liveness = LivenessWatchdog(group, self._liveness_timeout, self._hang_timeout)
-            self._liveness.start()
+            self._liveness = self._start_watch(group)
         return Recovery(group, self._rank, agreement.members, agreement.positions, iteration, dict(lost))
+
+    def _start_watch(self, group: dist.ProcessGroup) -> LivenessWatchdog:
+        assert self._liveness_timeout is not None
+        watch = LivenessWatchdog(
+            group,
+            self._liveness_timeout,
+            self._hang_timeout,
+            judge_closed_connections=self._on_rank_lost == "continue",
+        )
+        watch.start()
+        return watch
 
     # The rank's own side: joined or failing.
 

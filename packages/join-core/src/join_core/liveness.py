@@ -31,6 +31,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -68,6 +69,11 @@ _BEAT_BYTES: Final = 32  # a heartbeat is a short counter; longer values are cut
 _MAX_ENDPOINTS_BYTES: Final = 64 * 1024
 _MAX_ENDPOINTS: Final = 4096
 _MAX_VERDICT_BYTES: Final = 64 * 1024
+# How gloo tells that the process at the other end of a connection closed it.
+_CLOSED_BY_PEER: Final = re.compile(
+    r"(?:[Cc]onnection closed by peer|Read error|Write error) \[([0-9A-Fa-f:.%]+)\]:(\d+)"
+    r"(?:\.|: Connection reset by peer|: Broken pipe)"
+)
 
 _Endpoint = tuple[str, int]
 
@@ -95,9 +101,8 @@ class RankLostError(RuntimeError):
 
     def __init__(self, ranks: dict[int, str], detail: str | None = None) -> None:
         self.ranks = ranks
-        seen = "; ".join(f"rank {rank} ({seen})" for rank, seen in sorted(ranks.items()))
         super().__init__(
-            f"Join aborted: lost {seen}; "
+            f"Join aborted: lost {_describe(ranks)}; "
             + (
                 detail
                 if detail is not None
@@ -105,6 +110,10 @@ class RankLostError(RuntimeError):
                 "the job, or pass Join(on_rank_lost='continue') to go on without it"
             )
         )
+
+
+def _describe(ranks: dict[int, str]) -> str:
+    return "; ".join(f"rank {rank} ({seen})" for rank, seen in sorted(ranks.items()))
 
 
 class LivenessWatchdog:
@@ -130,6 +139,9 @@ class LivenessWatchdog:
         prefix: the store prefix (default: one per Join on the group).
         until_main_thread_ends: stop when the main thread has ended
             (a watch not tied to a Join).
+        judge_closed_connections: a collective on the group that fails
+            because a rank's process closed its connection judges that rank
+            lost at once (:meth:`judge_closed_connection`), not a timeout later.
     """
 
     def __init__(
@@ -141,6 +153,7 @@ class LivenessWatchdog:
         collectives: bool = True,
         prefix: str | None = None,
         until_main_thread_ends: bool = False,
+        judge_closed_connections: bool = False,
     ) -> None:
         if timeout.total_seconds() <= 0:
             raise ValueError(
@@ -170,10 +183,13 @@ class LivenessWatchdog:
         self._departed: set[int] = set()  # ranks that left their Join (set by the thread)
         self._beats_seen: dict[int, int] = {}  # rank -> how often its counter was seen moving (the thread's)
         self._moved: dict[int, float] = {}  # rank -> when its counter last moved (the thread's)
+        self._endpoints: dict[int, set[_Endpoint]] = {}  # rank -> its published connections (the thread's)
+        self._judge_lock = threading.Lock()  # one verdict, whichever thread reaches it
         self._main_store: Store | None = None  # the main thread's own client, made when first needed
         # Not a daemon: the interpreter waits for it at exit (a thread killed inside torch's store
         # client aborts the process), and stop() need not.
         self._thread = threading.Thread(target=self._run, name="join-liveness", daemon=False)
+        self._judges_closed = judge_closed_connections
 
     def start(self) -> None:
         """Publish this rank's connections and first heartbeat, then beat and
@@ -197,6 +213,8 @@ class LivenessWatchdog:
         else:
             for key, value in zip(keys, values):
                 store.set(key, value)
+        if self._judges_closed:
+            record_collectives().set_explainer(self._group.group_name, self.judge_closed_connection)
         self._thread.start()
 
     def stop(self) -> None:
@@ -205,6 +223,8 @@ class LivenessWatchdog:
         Returns at once; the thread says so within a store round trip, and
         the interpreter waits for it at exit."""
         self._stop.set()
+        if self._judges_closed:
+            record_collectives().set_explainer(self._group.group_name, None)
         self._main_store = None  # released now: a store client destroyed at interpreter exit aborts it
 
     def lost(self) -> dict[int, str]:
@@ -259,6 +279,47 @@ class LivenessWatchdog:
         if not store.check([self._verdict_key()]):
             return {}
         return self._adopt(store.get(self._verdict_key()), allow_self=True)
+
+    def judge_closed_connection(self, failure: BaseException) -> None:
+        """Judge at once the rank whose process closed the connection that made
+        a collective fail (gloo's "Connection closed by peer"): it died.
+
+        A connection shut down by a rank that adopted a verdict is told apart:
+        that verdict was published before, and is adopted here. Nothing is
+        judged when the connection is not one of a watched rank's, or that
+        rank left its Join."""
+        if self._verdict_ready.is_set():
+            return
+        match = _CLOSED_BY_PEER.search(str(failure))
+        if match is None:
+            return
+        try:
+            host, port = _normalize(match[1]), int(match[2])
+            # gloo 2.13 prints the port in network byte order: either reading names the rank.
+            named = {(host, port), (host, socket.ntohs(port) if port < 65536 else port)}
+        except (ValueError, OverflowError):
+            return
+        store = self.store()
+        endpoints = self._published_endpoints(store)
+        ranks = [rank for rank, ends in endpoints.items() if named & ends]
+        if len(ranks) != 1:
+            return
+        rank = ranks[0]
+        published = self._adopt(store.get(self._verdict_key())) if store.check([self._verdict_key()]) else {}
+        if published:
+            peers = set().union(*(endpoints.get(lost, set()) for lost in published))
+            self._judge(published, peers, self._store_port, store)
+        elif store.get(self._key(rank))[:_BEAT_BYTES] != _LEFT.encode():
+            seen = f"its process ended: its connection closed ({match[0]})"
+            self._judge({rank: seen}, endpoints[rank], self._store_port, store)
+
+    def _published_endpoints(self, store: Store) -> dict[int, set[_Endpoint]]:
+        """The other ranks' published connections, read now (the thread may not have yet)."""
+        found = {}
+        for rank in range(self._world_size):
+            if rank != self._rank and store.check([self._endpoints_key(rank)]):
+                found[rank] = _decode(store.get(self._endpoints_key(rank)))[0]
+        return found
 
     def failure(self) -> BaseException | None:
         """The verdict reached so far, as the error to raise; None while there is none."""
@@ -364,7 +425,7 @@ class LivenessWatchdog:
 
     def _watch(self, store: Store, store_port: int | None) -> None:
         others = [rank for rank in range(self._world_size) if rank != self._rank]
-        endpoints: dict[int, set[_Endpoint]] = {}
+        endpoints = self._endpoints
         store_hosts: set[int] = set()  # ranks whose process serves the store
         last: dict[int, bytes] = {}
         moved = self._moved  # rank -> when its counter last moved
@@ -383,6 +444,8 @@ class LivenessWatchdog:
             if self._until_main_thread_ends and not main_thread.is_alive():
                 return
             now = time.monotonic()
+            if verdict_at is None and self._verdict_ready.is_set():
+                verdict_at = now  # reached on the main thread (judge_closed_connection)
             if (
                 verdict_at is not None
                 and not escalated
@@ -420,7 +483,9 @@ class LivenessWatchdog:
                     desync = collectives.round(store, summaries)
                     if desync is not None:
                         verdict_at = now
-                        self._fail(desync, set().union(*endpoints.values()), store_port, None)
+                        with self._judge_lock:
+                            if not self._verdict_ready.is_set():
+                                self._fail(desync, set().union(*endpoints.values()), store_port, None)
                 if verdict_at is None and store.check([self._verdict_key()]):
                     adopted = self._adopt(store.get(self._verdict_key()))
                     if adopted:  # one verdict for every rank: the first published
@@ -478,6 +543,13 @@ class LivenessWatchdog:
     def _judge(
         self, lost: dict[int, str], peers: set[_Endpoint], store_port: int | None, store: Store | None
     ) -> None:
+        with self._judge_lock:
+            if not self._verdict_ready.is_set():
+                self._judge_first(lost, peers, store_port, store)
+
+    def _judge_first(
+        self, lost: dict[int, str], peers: set[_Endpoint], store_port: int | None, store: Store | None
+    ) -> None:
         if store is not None:
             # Published for the others; if one was published first, that one is every rank's verdict.
             with suppress(Exception):
@@ -498,7 +570,10 @@ class LivenessWatchdog:
         lost rank; a desync's watch dumps on its own)."""
         self._failure = error
         self._verdict_ready.set()
-        logger.error("Join: rank %d: %s", self._rank, error)
+        if self._judges_closed and isinstance(error, RankLostError):  # the survivors go on
+            logger.warning("Join: rank %d: lost %s", self._rank, _describe(error.ranks))
+        else:
+            logger.error("Join: rank %d: %s", self._rank, error)
         _shut_down(peers, store_port)
         if isinstance(error, RankLostError) and self._collectives is not None:
             self._collectives.write_dump(store, "lost", str(error))
@@ -569,8 +644,10 @@ def _connections(store_port: int | None) -> list[tuple[socket.socket, _Endpoint,
 
 
 def _own_endpoints(store_port: int | None) -> tuple[list[_Endpoint], bool]:
-    """The local ends of this process's connections (but the store's), and
-    whether this process serves the store (has a listener on its port)."""
+    """The local ends of this process's connections and listeners (but the
+    store's), and whether this process serves the store (has a listener on its
+    port). A listener's address names this process in a peer's error when a
+    connection it accepted closes."""
     endpoints, hosts_store = [], False
     for sock in _tcp_sockets():
         try:
@@ -578,7 +655,10 @@ def _own_endpoints(store_port: int | None) -> tuple[list[_Endpoint], bool]:
             try:
                 peer = sock.getpeername()
             except OSError:
-                hosts_store = hosts_store or (store_port is not None and local[1] == store_port)
+                if store_port is not None and local[1] == store_port:
+                    hosts_store = True
+                else:
+                    endpoints.append((_normalize(local[0]), int(local[1])))
                 continue  # a listener
             if store_port is not None and store_port in (local[1], peer[1]):
                 continue

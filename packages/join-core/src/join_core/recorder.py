@@ -24,6 +24,7 @@ as that verdict.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -174,6 +175,8 @@ class CollectiveRecorder:
         self._names: dict[dist.ProcessGroup, str] = {}
         self._pending: dict[int, tuple[Any, CollectiveRecord]] = {}  # id(work) -> (work, record)
         self._verdicts: dict[str, BaseException] = {}  # group name -> the fatal verdict
+        # group name -> what may explain a failed wait at once (a watch judging a closed connection)
+        self._explainers: dict[str, Callable[[BaseException], None]] = {}
         self._lock = threading.Lock()
 
     def records(self, group: str | None = None) -> list[CollectiveRecord]:
@@ -219,6 +222,14 @@ class CollectiveRecorder:
     def verdict(self, group: str) -> BaseException | None:
         """The fatal verdict on ``group``, if a watch reached one."""
         return self._verdicts.get(group)
+
+    def set_explainer(self, group: str, explain: Callable[[BaseException], None] | None) -> None:
+        """Have ``explain(error)`` called first when a wait on ``group`` fails
+        (it may set the verdict at once); None removes it."""
+        if explain is None:
+            self._explainers.pop(group, None)
+        else:
+            self._explainers[group] = explain
 
     def clear_verdict(self, group: str) -> None:
         """Forget ``group``'s verdict (its watch ended, the group is being replaced)."""
@@ -398,6 +409,10 @@ def _wrap_wait(rec: CollectiveRecorder, original: Callable[..., Any]) -> Callabl
             rec._waited(self, error)
             group = entry[1].group if entry is not None else _only_watched_group()
             if group is not None:
+                explain = rec._explainers.get(group)
+                if explain is not None:
+                    with contextlib.suppress(Exception):  # only a faster verdict; the watch judges anyway
+                        explain(error)
                 verdict = _await_verdict(rec, group)
                 if verdict is not None:
                     raise verdict from error
