@@ -92,3 +92,77 @@ def test_survivors_of_a_killed_rank_finish_exactly(where: str) -> None:
 
 def test_survivors_of_a_frozen_rank_finish_exactly_and_fence_it_when_it_wakes() -> None:
     assert run_ranks(_lose_rank_2, 3, "freeze", "forward", timeout=90) == ["survived", "survived", "removed"]
+
+
+def _uneven_with_losses(
+    rank: int, world_size: int, counts: list[int], losses: dict[int, int], divide_by_initial: bool
+) -> list[float]:
+    """Rank r trains counts[r] iterations; rank l of ``losses`` is killed in the
+    forward of iteration losses[l]. Survivors check against the reference."""
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=TINY_BUCKETS_MB)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join(
+        divide_by_initial_world_size=divide_by_initial, liveness_timeout=LIVENESS, on_rank_lost="continue"
+    ) as join:
+        for step in range(counts[rank]):
+            optimizer.zero_grad()
+            loss = loss_fn(model, *batch(rank, step))
+            if losses.get(rank) == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            optimizer.step()
+    assert sorted(join.lost_ranks) == sorted(losses), join.lost_ranks
+    assert dist.get_world_size(join.process_group) == world_size - len(losses)
+    contributed = [losses.get(r, counts[r]) for r in range(world_size)]
+    make_sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    expected = reference(contributed, make_sgd, divide_by_initial_world_size=divide_by_initial)
+    torch.testing.assert_close(flat_params(model.module), expected, rtol=1e-5, atol=1e-6)
+    return flat_params(model.module).tolist()
+
+
+@pytest.mark.parametrize(
+    "counts,losses,divide_by_initial",
+    [
+        pytest.param([8, 3, 8], {2: 5}, True, id="lost-while-another-rank-shadows"),
+        pytest.param([8, 8, 5], {1: 3}, False, id="divided-by-the-ranks-training"),
+        pytest.param([8, 8, 8, 8], {3: 2, 2: 5}, True, id="two-losses"),
+    ],
+)
+def test_survivors_with_uneven_inputs_finish_exactly(
+    counts: list[int], losses: dict[int, int], divide_by_initial: bool
+) -> None:
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_uneven_with_losses, len(counts), counts, losses, divide_by_initial, timeout=90)
+    assert sorted(failed.value.failures) == sorted(losses), str(failed.value)
+    assert all("exited with code -9" in failed.value.failures[r] for r in losses), str(failed.value)
+
+
+def _buffers_source_lost(rank: int, world_size: int, where: str) -> None:
+    """Rank 0, whose buffers every forward takes, is killed; the survivors take
+    the buffers of their own first rank from then on and stay identical."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model = DistributedDataParallel(module, bucket_cap_mb=TINY_BUCKETS_MB)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model], on_rank_lost="continue", liveness_timeout=LIVENESS) as join:
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            loss = loss_fn(model, *batch(rank, step))
+            if rank == 0 and step == LOST_AT and where == "forward":
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            if rank == 0 and step == LOST_AT and where == "step":
+                os.kill(os.getpid(), signal.SIGKILL)  # the others fail in the next buffer broadcast
+            optimizer.step()
+    assert list(join.lost_ranks) == [0], join.lost_ranks
+    state = torch.cat([t.detach().reshape(-1).float() for t in module.state_dict().values()])
+    states = [torch.empty_like(state) for _ in range(2)]
+    dist.all_gather(states, state, group=join.process_group)
+    torch.testing.assert_close(states[0], states[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("where", ["forward", "step"])
+def test_survivors_of_the_buffers_source_take_their_own_and_stay_identical(where: str) -> None:
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_buffers_source_lost, 3, where, timeout=90)
+    assert list(failed.value.failures) == [0], str(failed.value)
