@@ -24,6 +24,7 @@ from join_core import (
     Join,
     JoinHook,
     RankLostError,
+    Recovery,
     install_exit_grace,
     record_collectives,
 )
@@ -858,89 +859,6 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self._reductions += 1
         return meta[0] if self._rides(first) else None
 
-    # Going on without a lost rank (Join(on_rank_lost="continue")).
-
-    def _await_reductions(self) -> None:
-        """Wait for every bucket's reduction; when one fails because a rank was
-        lost, complete it on the survivors' group. Then keep the results."""
-        while True:
-            try:
-                for bucket in self._buckets:
-                    bucket.result()
-                break
-            except Exception as failure:  # noqa: BLE001 - Join.recover re-raises what it cannot recover
-                self._recover(failure, _REDUCING)
-        for bucket in self._buckets:
-            assert bucket.completed is not None
-            bucket.completed.copy_(bucket.buffer)
-
-    def _recover(self, failure: BaseException, phase: int) -> None:
-        """Agree with the survivors on where each was, then set up the redo.
-
-        Positions count collectives of this model: ``2 * reductions`` is the
-        buffer broadcast before reduction ``reductions``, ``+ 1`` the reduction.
-        Survivors all at one position redo it on the new group. Survivors that
-        finished reduction ``m`` (so are past it) while others failed in it
-        hand the others its result, then redo their own step. Any other spread
-        cannot be completed exactly: raise."""
-        position = 2 * self._reductions + phase
-        recovery = Join.recover(self, position, failure)
-        positions = recovery.positions
-        low, high = min(positions), max(positions)
-        if low == high:
-            if phase == _REDUCING:
-                self._relaunch()
-            return
-        handed_over = low % 2 == _REDUCING and (
-            high == low + 1 or (high == low + 2 and not self.will_sync_module_buffers())
-        )
-        if not handed_over or set(positions) != {low, high}:
-            where = ", ".join(
-                f"rank {rank} {_describe_position(value)}" for rank, value in zip(recovery.members, positions)
-            )
-            raise RankLostError(
-                dict(recovery.lost),
-                detail=f"the survivors cannot complete the interrupted step exactly: {where}; "
-                "restart from a checkpoint",
-            ) from failure
-        src = global_rank(recovery.group, positions.index(high))
-        behind = position == low
-        handoff = []
-        for bucket in self._buckets:
-            target = bucket.buffer if behind else bucket.completed
-            assert target is not None
-            handoff.append(dist.broadcast(target, src=src, group=recovery.group, async_op=True))
-        if behind:
-            # This reduction's result is what the survivors ahead got: take it as is.
-            for bucket, work in zip(self._buckets, handoff):
-                bucket.work = work
-                bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
-            self._handoff = True
-            return
-        for work in handoff:
-            work.wait()
-        if phase == _REDUCING:
-            self._relaunch()
-
-    def _relaunch(self) -> None:
-        """Reduce every bucket again, as launched, on the survivors' group."""
-        for bucket in self._buckets:
-            assert bucket.backup is not None
-            bucket.buffer.copy_(bucket.backup)
-            if self._rides(bucket):
-                meta = self._signal_meta(self._launched_training, bucket.buffer.dtype)
-                bucket.buffer[: bucket.meta_len].copy_(meta)
-            bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
-            bucket.work = dist.all_reduce(bucket.reduced, group=self.process_group, async_op=True)
-
-    def _regroup(self, group: dist.ProcessGroup) -> None:
-        """Issue every later collective on ``group``, the survivors'; gradients
-        are still divided by the initial world size (or by the ranks training)."""
-        self.process_group = group
-        self._rank = dist.get_rank(group)
-        self._buffer_src = 0
-        self._meta_cache.clear()
-
     def _write_captured(
         self, index: int, bucket: _Bucket, position: int, grads: torch.Tensor, scale: int, builtin: bool
     ) -> None:
@@ -986,6 +904,96 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         if syncing:
             self._used = list(self._used_since_sync)
 
+    # Going on without a lost rank (Join(on_rank_lost="continue")).
+
+    def _await_reductions(self) -> None:
+        """Wait for every bucket's reduction; when one fails because a rank was
+        lost, complete it on the survivors' group. Then keep the results."""
+        while True:
+            try:
+                for bucket in self._buckets:
+                    bucket.result()
+                break
+            except Exception as failure:  # noqa: BLE001 - Join.recover re-raises what it cannot recover
+                self._recover(failure, _REDUCING)
+        for bucket in self._buckets:
+            assert bucket.completed is not None
+            bucket.completed.copy_(bucket.buffer)
+
+    def _recover(self, failure: BaseException, phase: int) -> None:
+        """Go on without the lost ranks (or raise): once the survivors agreed
+        and moved onto their group (see :meth:`_regroup`), a result handed over
+        stands; otherwise this stage is done again on the new group: a
+        reduction from the buffers as launched, a broadcast by its caller."""
+        Join.recover(self, self._reductions, phase, failure)
+        if phase == _REDUCING and not self._handoff:
+            self._relaunch()
+
+    def _relaunch(self) -> None:
+        """Reduce every bucket again, as launched, on the survivors' group."""
+        for bucket in self._buckets:
+            assert bucket.backup is not None
+            bucket.buffer.copy_(bucket.backup)
+            if self._rides(bucket):
+                meta = self._signal_meta(self._launched_training, bucket.buffer.dtype)
+                bucket.buffer[: bucket.meta_len].copy_(meta)
+            bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
+            bucket.work = dist.all_reduce(bucket.reduced, group=self.process_group, async_op=True)
+
+    def _regroup(self, recovery: Recovery, first_phase: int) -> None:
+        """Issue every later collective on the survivors' group (gradients are
+        still divided by the initial world size, or by the ranks training).
+
+        Survivors that finished a reduction the others failed in hand them
+        its result: each then holds the same gradients for that iteration, the
+        lost ranks' part included. A buffer broadcast some finished and
+        others did not cannot be made whole (the buffers moved on since):
+        raise."""
+        self.process_group = recovery.group
+        self._rank = recovery.rank
+        self._buffer_src = 0
+        self._meta_cache.clear()
+        positions = recovery.positions
+        broadcasts = [recovery.completed(position, first_phase + _BROADCASTING) for position in positions]
+        reductions = [recovery.completed(position, first_phase + _REDUCING) for position in positions]
+        low, high = min(reductions), max(reductions)
+        broadcast_split = any(
+            position % recovery.period == first_phase + _BROADCASTING and done < max(broadcasts)
+            for position, done in zip(positions, broadcasts)
+        )
+        behind_elsewhere = any(
+            done == low and position != recovery.position(low, first_phase + _REDUCING)
+            for position, done in zip(positions, reductions)
+        )
+        if broadcast_split or high - low > 1 or (high > low and behind_elsewhere):
+            where = ", ".join(
+                f"rank {rank} in stage {position % recovery.period} of iteration {position // recovery.period}"
+                for rank, position in zip(recovery.members, positions)
+            )
+            raise RankLostError(
+                dict(recovery.lost),
+                detail=f"DistributedDataParallel: the survivors cannot complete the interrupted step exactly "
+                f"({where}); restart from a checkpoint",
+            )
+        if high == low:
+            return
+        src = global_rank(recovery.group, reductions.index(high))
+        behind = reductions[recovery.rank] == low
+        handoff = []
+        for bucket in self._buckets:
+            target = bucket.buffer if behind else bucket.completed
+            assert target is not None
+            handoff.append(dist.broadcast(target, src=src, group=recovery.group, async_op=True))
+        if not behind:
+            for work in handoff:
+                work.wait()
+            return
+        # This reduction's result is what the survivors ahead got: take it as is.
+        for bucket, work in zip(self._buckets, handoff):
+            bucket.work = work
+            bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
+        self._handoff = True
+
     # Collectives outside backward.
 
     def _sync_buffers(self) -> None:
@@ -1016,11 +1024,6 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
 
 _BROADCASTING: Final = 0  # position phases: the buffer broadcast before a reduction,
 _REDUCING: Final = 1  # and the reduction
-
-
-def _describe_position(position: int) -> str:
-    reduction, phase = divmod(position, 2)
-    return f"{'in' if phase == _REDUCING else 'before'} gradient reduction #{reduction}"
 
 
 def _reject_unsupported(
@@ -1113,6 +1116,8 @@ class _DDPJoinHook(JoinHook):
     """Shadows one DistributedDataParallel iteration on a joined rank: the
     buffer broadcast, then every bucket (zeros) through the same reduction."""
 
+    regroup_phases = 2  # the buffer broadcast, then the gradient reduction
+
     def __init__(self, ddp: DistributedDataParallel[Any]) -> None:
         self.ddp = ddp
 
@@ -1160,8 +1165,8 @@ class _DDPJoinHook(JoinHook):
         for bucket in ddp._buckets:
             bucket.backup = bucket.completed = None
 
-    def regroup_hook(self, group: dist.ProcessGroup) -> None:
-        self.ddp._regroup(group)
+    def regroup_hook(self, recovery: Recovery, first_phase: int) -> None:
+        self.ddp._regroup(recovery, first_phase)
 
     def abort_hook(self) -> None:
         ddp = self.ddp

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
+    from join_core.regroup import Recovery
 
 __all__ = ["JoinHook"]
 
@@ -38,6 +38,11 @@ class JoinHook:
     #: all-reduce of each iteration instead of Join issuing one of its own.
     carries_heartbeat: bool = False
 
+    #: How many stages of collectives one iteration of this joinable has (e.g.
+    #: a broadcast, then a reduction): the ``phase`` it gives
+    #: :meth:`join_core.Join.recover` is one of ``range(regroup_phases)``.
+    regroup_phases: int = 1
+
     def main_hook(self) -> None:
         """Shadow one iteration of the joinable's collectives on a joined rank."""
 
@@ -67,14 +72,18 @@ class JoinHook:
         on every hook whose :meth:`enter_hook` returned.
         """
 
-    def regroup_hook(self, group: dist.ProcessGroup) -> None:
-        """Move the joinable onto ``group``, the process group of the ranks
-        that survived a loss, from which every later collective is issued.
+    def regroup_hook(self, recovery: Recovery, first_phase: int) -> None:
+        """Move the joinable onto ``recovery.group``, the process group of the
+        ranks that survived a loss, from which every later collective is issued.
 
         Called on every surviving rank, in joinable order, once the survivors
-        agreed on who is lost (see :meth:`join_core.Join.recover`). The
-        joinable's collective that failed is then completed by the joinable
-        itself, on ``group``.
+        agreed on who is lost and where each was (see
+        :meth:`join_core.Join.recover`). A survivor that finished a stage the
+        others did not hands them its result here, with collectives on the
+        new group that every survivor issues in the same order
+        (``recovery.completed(position, first_phase + phase)`` says how often
+        a survivor finished this joinable's stage ``phase``). The collective
+        that failed is then completed by the joinable that issued it.
 
         Raises:
             NotImplementedError: here; a joinable that can go on without the

@@ -186,6 +186,7 @@ class Join:
         self._members = _global_ranks(self._group)  # global rank of each rank of the current group
         self._lost: dict[int, str] = {}  # global rank -> what was seen, and when it was removed
         self._regroup_prefix = ""  # the first watch's, under which every agreement of this Join is kept
+        self._period = sum(hook.regroup_phases for hook in self._hooks)  # stages of one iteration
         record_collectives()
         install_exit_grace()
 
@@ -289,17 +290,17 @@ class Join:
         return join._on_rank_lost == "continue" and join._world_size > 1
 
     @staticmethod
-    def recover(joinable: Joinable, position: int, failure: BaseException) -> Recovery:
+    def recover(joinable: Joinable, iteration: int, phase: int, failure: BaseException) -> Recovery:
         """Called by ``joinable`` when one of its collectives failed: go on
         without the lost ranks, or raise.
 
         With ``on_rank_lost="continue"`` and a rank lost, the survivors agree
-        on who is lost and where each of them was (``position``: the
-        joinable's own count, e.g. of finished reductions, compared across
-        survivors), build their process group and move every joinable onto it
-        (:meth:`JoinHook.regroup_hook`, this one's included). Returns what was
-        agreed; the joinable then completes its failed collective on
-        ``Recovery.group``.
+        on who is lost and where each of them was (``iteration``: how many of
+        its iterations this joinable finished; ``phase``: which of its
+        ``regroup_phases`` stages failed), build their process group and move
+        every joinable onto it (:meth:`JoinHook.regroup_hook`, this one's
+        included). Returns what was agreed; the joinable then completes its
+        failed collective on ``Recovery.group``.
 
         Raises:
             RankLostError: ``on_rank_lost="raise"``, or the survivors cannot go on.
@@ -310,7 +311,13 @@ class Join:
         found = _lookup(joinable)
         if found is None:
             raise failure
-        return found[0]._recover(position, failure)
+        join = found[0]
+        index = next(i for i, known in enumerate(join._joinables) if known is joinable)
+        phases = join._hooks[index].regroup_phases
+        if not 0 <= phase < phases:
+            raise ValueError(f"Join.recover(phase={phase}): out of range for {phases} regroup_phases")
+        first = sum(hook.regroup_phases for hook in join._hooks[:index])
+        return join._recover(iteration * join._period + first + phase, failure)
 
     def _recover(self, position: int, failure: BaseException) -> Recovery:
         watch = self._liveness
@@ -353,7 +360,7 @@ class Join:
         for rank in expected:
             if rank not in agreement.members:  # fell silent during the agreement
                 lost[rank] = "its heartbeat stopped while the survivors agreed on who goes on"
-        iteration = min(agreement.iterations)
+        iteration = max(agreement.iterations)  # a joined rank counts no more iterations
         group = build_group(agreement.members, self._group)
         logger.warning(
             "Join: rank %d goes on without rank(s) %s from iteration %d, on a group of %d",
@@ -369,13 +376,18 @@ class Join:
         self._members = agreement.members
         self._rank = agreement.members.index(me)
         self._world_size = len(agreement.members)
-        for hook in self._hooks:
-            hook.regroup_hook(group)
         watch.stop()
         self._liveness = None
         if self._world_size > 1:
             self._liveness = self._start_watch(group)
-        return Recovery(group, self._rank, agreement.members, agreement.positions, iteration, dict(lost))
+        recovery = Recovery(
+            group, self._rank, agreement.members, agreement.positions, self._period, iteration, dict(lost)
+        )
+        first = 0
+        for hook in self._hooks:
+            hook.regroup_hook(recovery, first)
+            first += hook.regroup_phases
+        return recovery
 
     def _start_watch(self, group: dist.ProcessGroup) -> LivenessWatchdog:
         assert self._liveness_timeout is not None

@@ -66,9 +66,11 @@ class Recovery:
         group: the survivors' process group; every later collective of the Join is issued on it.
         rank: this rank's rank in ``group``.
         members: the global rank of each rank of ``group``, in group order.
-        positions: by rank in ``group``: the position each survivor's joinable
-            gave when its collective failed (what it means is the joinable's).
-        iteration: the earliest iteration of the survivors then (Join's count of iterations).
+        positions: by rank in ``group``: the stage of collectives each survivor
+            failed in, counted over the Join's iterations: ``iteration * period + phase``.
+        period: the stages of one iteration, over all the Join's joinables
+            (each hook's ``regroup_phases``, in joinable order).
+        iteration: the survivors' iteration then (Join's count, from 1).
         lost: every rank lost in this Join so far (global rank -> what was seen).
     """
 
@@ -76,8 +78,19 @@ class Recovery:
     rank: int
     members: tuple[int, ...]
     positions: tuple[int, ...]
+    period: int
     iteration: int
     lost: Mapping[int, str]
+
+    def completed(self, position: int, phase: int) -> int:
+        """How many times a survivor at ``position`` had finished stage ``phase``
+        (of ``range(period)``) when it failed."""
+        iteration, current = divmod(position, self.period)
+        return iteration + (1 if current > phase else 0)
+
+    def position(self, iteration: int, phase: int) -> int:
+        """The position of stage ``phase`` of ``iteration``."""
+        return iteration * self.period + phase
 
 
 @dataclass(frozen=True)
@@ -134,7 +147,7 @@ def agree(
         time.sleep(poll)
     agreement = _parse_record(store.get(record_key), expected)
     if me not in agreement.members:
-        raise RankRemovedError(me, min(agreement.iterations, default=None), "left out of the survivors")
+        raise RankRemovedError(me, max(agreement.iterations, default=None), "left out of the survivors")
     return agreement
 
 
@@ -144,7 +157,7 @@ def removed_at(store: Store, prefix: str) -> int | None:
     if not store.check([key]):
         return None
     try:
-        return min(_parse_record(store.get(key), None).iterations, default=None)
+        return max(_parse_record(store.get(key), None).iterations, default=None)
     except ValueError:
         return None
 
