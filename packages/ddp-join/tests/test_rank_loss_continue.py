@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from ddp_cases import batch, flat_params, loss_fn, make_model, reference
+from torch.distributed.fsdp import fully_shard
 
-from ddp_join import DistributedDataParallel
+from ddp_join import DistributedDataParallel, FSDPJoinable, ZeroRedundancyOptimizer
 from join_core import Join, RankRemovedError
 from join_core.testing import RanksFailedError, run_ranks
 
@@ -166,3 +167,83 @@ def test_survivors_of_the_buffers_source_take_their_own_and_stay_identical(where
     with pytest.raises(RanksFailedError) as failed:
         run_ranks(_buffers_source_lost, 3, where, timeout=90)
     assert list(failed.value.failures) == [0], str(failed.value)
+
+
+def _adam_reference(contributed: list[int]) -> tuple[torch.Tensor, dict[int, dict[str, torch.Tensor]]]:
+    """Parameters and Adam state of one process applying, at iteration i, the
+    sum of the gradients of the ranks that contributed to it, over the world size."""
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(max(contributed)):
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for rank in (r for r in range(len(contributed)) if contributed[r] > step):
+            model.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            for acc, p in zip(total, model.parameters()):
+                assert p.grad is not None
+                acc += p.grad
+        for acc, p in zip(total, model.parameters()):
+            p.grad = acc / len(contributed)
+        optimizer.step()
+    return flat_params(model), optimizer.state_dict()["state"]
+
+
+def _zero_loses_rank(rank: int, world_size: int, lost: int, where: str) -> None:
+    """DDP + ZeRO Adam with shard replicas: rank ``lost`` is killed in iteration
+    LOST_AT; the survivors end with the reference's parameters and optimizer state."""
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=TINY_BUCKETS_MB)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01, shard_replicas=1)
+    with Join([model, optimizer], on_rank_lost="continue", liveness_timeout=LIVENESS) as join:
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            loss = loss_fn(model, *batch(rank, step))
+            if rank == lost and step == LOST_AT and where == "forward":
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            if rank == lost and step == LOST_AT and where == "step":
+                os.kill(os.getpid(), signal.SIGKILL)  # the others wait for its shard
+            optimizer.step()
+    assert list(join.lost_ranks) == [lost], join.lost_ranks
+    contributed = [STEPS] * world_size
+    contributed[lost] = LOST_AT if where == "forward" else LOST_AT + 1
+    expected_params, expected_state = _adam_reference(contributed)
+    torch.testing.assert_close(flat_params(model.module), expected_params, rtol=1e-5, atol=1e-6)
+    optimizer.consolidate_state_dict(to=0)
+    if dist.get_rank(join.process_group) == 0:
+        state = optimizer.state_dict()["state"]
+        assert sorted(state) == sorted(expected_state)
+        for index, values in expected_state.items():
+            for key, value in values.items():
+                torch.testing.assert_close(state[index][key], value, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("where", ["forward", "step"])
+@pytest.mark.parametrize("lost", [0, 2])
+def test_zero_survivors_keep_the_lost_shard_and_finish_exactly(lost: int, where: str) -> None:
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_zero_loses_rank, 3, lost, where, timeout=90)
+    assert list(failed.value.failures) == [lost], str(failed.value)
+
+
+def _refusals(rank: int, world_size: int) -> list[str]:
+    messages = []
+    model = DistributedDataParallel(make_model())
+    unreplicated = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError) as refused, Join([model, unreplicated], on_rank_lost="continue"):
+        pass
+    messages.append(str(refused.value))
+    sharded = make_model()
+    fully_shard(sharded)
+    joinable = FSDPJoinable(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1))
+    with pytest.raises(ValueError) as refused:
+        Join([joinable], on_rank_lost="continue")
+    messages.append(str(refused.value))
+    return messages
+
+
+def test_joinables_that_cannot_go_on_are_refused_before_training() -> None:
+    zero, fsdp = run_ranks(_refusals, 2)[0]
+    assert "ZeroRedundancyOptimizer needs shard_replicas=1" in zero, zero
+    assert fsdp.startswith("Join(on_rank_lost='continue'): FSDPJoinable cannot go on without a lost rank"), (
+        fsdp
+    )

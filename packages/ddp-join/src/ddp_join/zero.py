@@ -8,9 +8,9 @@ from typing import Any, Final, overload
 import torch
 import torch.distributed as dist
 
-from ddp_join._groups import gather_bytes, global_rank, resolve_group
+from ddp_join._groups import all_gather_bytes, gather_bytes, global_rank, resolve_group
 from ddp_join.optimizer_state import decode_state, encode_state, state_limit
-from join_core import Join, JoinHook, install_exit_grace, record_collectives
+from join_core import Join, JoinHook, RankLostError, Recovery, install_exit_grace, record_collectives
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -42,6 +42,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             is reduced, from the communication hook
             :func:`ddp_join.hook_with_zero_step` (register it on the model);
             ``step()`` then steps nothing again.
+        shard_replicas: 1: each rank also keeps, and steps, a replica of the
+            next lower rank's shard (its optimizer state; the gradients and
+            parameters are there already), so that the state survives the
+            loss of its owner under ``Join(on_rank_lost="continue")``: the
+            replica's holder takes the shard over. Costs one more shard of
+            optimizer state and of optimizer compute per rank, and no
+            communication. 0 (the default): no replica.
         defaults: keyword arguments of ``optimizer_class`` (``lr=...``).
 
     Example::
@@ -61,8 +68,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
+        *,
+        shard_replicas: int = 0,
         **defaults: Any,
     ) -> None:
+        if shard_replicas not in (0, 1):
+            raise ValueError(
+                f"ZeroRedundancyOptimizer(shard_replicas={shard_replicas!r}): must be 0 or 1 "
+                "(one replica of each shard, on the next rank)"
+            )
+        if shard_replicas and overlap_with_ddp:
+            raise ValueError(
+                "ZeroRedundancyOptimizer(shard_replicas=1, overlap_with_ddp=True): replicas are stepped in "
+                "step(); use overlap_with_ddp=False"
+            )
+        self.shard_replicas = shard_replicas
         self.overlap_with_ddp = overlap_with_ddp
         self.process_group: dist.ProcessGroup
         self.process_group = group = resolve_group(process_group, "ZeroRedundancyOptimizer")
@@ -76,15 +96,23 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._initialized = False
         self._consolidated: list[dict[int, Any]] | None = None
         self._stepped = 0  # heartbeats of the current Join when step() last finished
+        # Going on without a lost rank (Join(on_rank_lost="continue")).
+        self._continues = False
+        self._steps = 0  # broadcast rounds completed (training or shadowing)
+        self._members: tuple[int, ...] = ()  # global rank of each rank of the group (while continuing)
+        self._replicas_valid = True  # False from a loss until every shard has a replica again
+        self._handed_over = False  # the interrupted round's parameters came from a survivor past it
         super().__init__(params, defaults)
         install_exit_grace()  # the optimizer holds the process group's threads to interpreter exit
         for param_group in self.param_groups:
             self._assign(param_group["params"])
-        self.optim: torch.optim.Optimizer = optimizer_class(
-            [{**g, "params": self._local_params(g)} for g in self.param_groups], **defaults
-        )
+        self._defaults = defaults
+        self.optim: torch.optim.Optimizer = self._optimizer_of(self.rank)
         for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
             _fill_defaults(global_group, local_group)
+        self._replica: torch.optim.Optimizer | None = (
+            self._optimizer_of(self._predecessor()) if shard_replicas else None
+        )
         self._initialized = True
         self._make_bucket_views()
 
@@ -100,8 +128,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._owner[id(param)] = owner
             self._load[owner] += param.numel()
 
-    def _local_params(self, param_group: dict[str, Any]) -> list[torch.Tensor]:
-        return [p for p in param_group["params"] if self._owner[id(p)] == self.rank]
+    def _local_params(self, param_group: dict[str, Any], rank: int | None = None) -> list[torch.Tensor]:
+        owner = self.rank if rank is None else rank
+        return [p for p in param_group["params"] if self._owner[id(p)] == owner]
+
+    def _optimizer_of(self, rank: int) -> torch.optim.Optimizer:
+        """A new ``optimizer_class`` over the shard of ``rank``, with every group's settings."""
+        return self.optimizer_class(
+            [{**g, "params": self._local_params(g, rank)} for g in self.param_groups], **self._defaults
+        )
+
+    def _predecessor(self) -> int:
+        """The rank whose shard this one replicates."""
+        return (self.rank - 1) % self.world_size
 
     def _owned_by(self, rank: int) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if self._owner[id(p)] == rank]
@@ -128,6 +167,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._assign(added["params"])
         self.optim.add_param_group({**added, "params": self._local_params(added)})
         _fill_defaults(added, self.optim.param_groups[-1])
+        if self._replica is not None:
+            self._replica.add_param_group({**added, "params": self._local_params(added, self._predecessor())})
         self._make_bucket_views()
 
     # Stepping.
@@ -160,11 +201,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return loss
 
     def _local_step(self, closure: Callable[[], float] | None = None) -> float | None:
-        for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
-            for key, value in global_group.items():
-                if key != "params":
-                    local_group[key] = value  # e.g. a learning-rate scheduler's change
-        return self.optim.step(closure)
+        optimizers = [self.optim] if self._replica is None else [self.optim, self._replica]
+        for optimizer in optimizers:
+            for global_group, local_group in zip(self.param_groups, optimizer.param_groups):
+                for key, value in global_group.items():
+                    if key != "params":
+                        local_group[key] = value  # e.g. a learning-rate scheduler's change
+        if self._replica is not None and closure is not None:
+            raise ValueError(
+                "ZeroRedundancyOptimizer.step(closure=...): with shard_replicas=1 the replica is stepped "
+                "with the same gradients, which a closure would change; call step() without one"
+            )
+        loss = self.optim.step(closure)
+        if self._replica is not None:
+            self._replica.step()  # the same update its owner makes, on the same values
+        return loss
 
     def _step_bucket(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
         """overlap_with_ddp: step this rank's parameters among ``params`` with
@@ -194,6 +245,24 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                             offset += param.numel()
 
     def _broadcast_shards(self) -> None:
+        """Broadcast every shard from its owner; in continue mode, go on
+        without a lost owner (its replica's holder owns its shard from then)."""
+        while True:
+            try:
+                self._broadcast_shards_once()
+                break
+            except Exception as failure:
+                if not self._continues:
+                    raise
+                Join.recover(self, self._steps, 0, failure)
+                if self._handed_over:
+                    self._handed_over = False
+                    break
+        self._steps += 1
+        if not self._replicas_valid:
+            self._refresh_replicas()
+
+    def _broadcast_shards_once(self) -> None:
         with torch.no_grad():
             if self.parameters_as_bucket_view:
                 for rank, flat in self._buckets:
@@ -214,6 +283,116 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                 param.copy_(flat[offset : offset + param.numel()].view_as(param))
                                 offset += param.numel()
                         del flat  # before the next run's buffer exists
+
+    # Going on without a lost rank.
+
+    def _regroup(self, recovery: Recovery, first_phase: int) -> None:
+        """Move onto the survivors' group: a lost rank's shard goes to the
+        holder of its replica (its state moves from the replica optimizer to
+        the holder's own); survivors that finished the interrupted broadcast
+        round hand the others its parameters. Every shard gets a replica again
+        after the next round."""
+        if not self._replicas_valid:
+            lost = sorted(set(self._members) - set(recovery.members))
+            raise RankLostError(
+                dict(recovery.lost),
+                detail=f"ZeroRedundancyOptimizer: rank(s) {lost} were lost before every shard had a replica "
+                "again after the previous loss: their optimizer state is gone; restart from a checkpoint",
+            )
+        old_members, old_rank = self._members, self.rank
+        index = {member: rank for rank, member in enumerate(recovery.members)}
+        new_owner: dict[int, int] = {}
+        for owner, member in enumerate(old_members):
+            if member in index:
+                new_owner[owner] = index[member]
+                continue
+            holder = old_members[(owner + 1) % len(old_members)]
+            if holder not in index:
+                raise RankLostError(
+                    dict(recovery.lost),
+                    detail=f"ZeroRedundancyOptimizer: rank {member} and the holder of its shard's replica, "
+                    f"rank {holder}, were both lost: that optimizer state is gone; restart from a checkpoint",
+                )
+            new_owner[owner] = index[holder]
+        adopted = {  # parameters of a lost shard whose replica this rank holds
+            id(p)
+            for g in self.param_groups
+            for p in g["params"]
+            if self._owner[id(p)] != old_rank and new_owner[self._owner[id(p)]] == recovery.rank
+        }
+        previous, replica = self.optim, self._replica
+        self._owner = {key: new_owner[owner] for key, owner in self._owner.items()}
+        self._load = [0] * len(recovery.members)
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._load[self._owner[id(param)]] += param.numel()
+        self.process_group = recovery.group
+        self.rank = recovery.rank
+        self.world_size = len(recovery.members)
+        self._members = recovery.members
+        self.optim = self._optimizer_of(self.rank)
+        for param in _params_of(self.optim):
+            source = replica if id(param) in adopted else previous
+            assert source is not None
+            if param in source.state:
+                self.optim.state[param] = source.state[param]
+        self._replica = self._optimizer_of(self._predecessor()) if self.world_size > 1 else None
+        self._replicas_valid = self._replica is None
+        self._make_bucket_views()
+        self._hand_over(recovery, first_phase)
+
+    def _hand_over(self, recovery: Recovery, first_phase: int) -> None:
+        """Survivors past the interrupted broadcast round send every parameter
+        to those that failed in it."""
+        positions = recovery.positions
+        rounds = [recovery.completed(position, first_phase) for position in positions]
+        low, high = min(rounds), max(rounds)
+        if high == low:
+            return
+        if high - low > 1 or any(
+            done == low and position != recovery.position(low, first_phase)
+            for position, done in zip(positions, rounds)
+        ):
+            raise RankLostError(
+                dict(recovery.lost),
+                detail=f"ZeroRedundancyOptimizer: the survivors cannot complete the interrupted step exactly "
+                f"(broadcast rounds finished, by rank: {dict(zip(recovery.members, rounds))}); restart "
+                "from a checkpoint",
+            )
+        src = global_rank(recovery.group, rounds.index(high))
+        with torch.no_grad():
+            for params in _by_dtype([p for g in self.param_groups for p in g["params"]]).values():
+                for run in _runs(params, COALESCE_BYTES):
+                    flat = torch.cat([p.detach().reshape(-1) for p in run])
+                    dist.broadcast(flat, src=src, group=recovery.group)
+                    offset = 0
+                    for param in run:
+                        param.copy_(flat[offset : offset + param.numel()].view_as(param))
+                        offset += param.numel()
+        self._handed_over = rounds[recovery.rank] == low
+
+    def _refresh_replicas(self) -> None:
+        """Give every shard a replica again: each rank sends its shard's state;
+        each keeps the one of the rank before it."""
+        index = self._global_index()
+        owned = _params_of(self.optim)
+        mine = encode_state({index[id(p)]: dict(self.optim.state[p]) for p in owned if p in self.optim.state})
+        limit = max(state_limit(self._owned_by(rank)) for rank in range(self.world_size))
+        shards = all_gather_bytes(mine, self.join_device, self.process_group, limit)
+        assert self._replica is not None
+        by_index = {i: p for p, i in ((p, index[id(p)]) for p in _params_of(self._replica))}
+        for position, state in decode_state(shards[self._predecessor()]).items():
+            param = by_index.get(position)
+            if param is None:
+                raise RuntimeError(
+                    f"ZeroRedundancyOptimizer: rank {self._predecessor()} sent optimizer state of parameter "
+                    f"{position}, which it does not own"
+                )
+            self._replica.state[param] = {
+                key: value.to(param.device) if isinstance(value, torch.Tensor) else value
+                for key, value in state.items()
+            }
+        self._replicas_valid = True
 
     # State.
 
@@ -309,6 +488,24 @@ class _ZeroJoinHook(JoinHook):
     def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
         self.zero = zero
 
+    def enter_hook(self) -> None:
+        zero = self.zero
+        zero._continues = Join.continues_on_loss(zero)
+        if zero._continues and not zero.shard_replicas:
+            raise ValueError(
+                "Join(on_rank_lost='continue'): ZeroRedundancyOptimizer needs shard_replicas=1, so that a "
+                "lost rank's optimizer state survives it"
+            )
+        zero._members = tuple(
+            global_rank(zero.process_group, rank) for rank in range(dist.get_world_size(zero.process_group))
+        )
+
+    def exit_hook(self) -> None:
+        self.zero._continues = False
+
+    def regroup_hook(self, recovery: Recovery, first_phase: int) -> None:
+        self.zero._regroup(recovery, first_phase)
+
     def main_hook(self) -> None:
         if self.zero.overlap_with_ddp:
             return  # the model's join hook stepped the shard through hook_with_zero_step
@@ -320,6 +517,10 @@ class _ZeroJoinHook(JoinHook):
         # reduced) but before step() finished: the others broadcast shards.
         if not self.zero.overlap_with_ddp and Join.heartbeats(self.zero) > self.zero._stepped:
             self.zero._broadcast_shards()
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 def _by_dtype(params: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
