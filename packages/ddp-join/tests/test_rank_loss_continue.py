@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from ddp_cases import batch, flat_params, loss_fn, make_model, reference
 from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_join import DistributedDataParallel, FSDPJoinable, ZeroRedundancyOptimizer
+from ddp_join import DistributedDataParallel, FSDPJoinable, UnevenDistributedSampler, ZeroRedundancyOptimizer
 from join_core import Join, RankRemovedError
 from join_core.testing import RanksFailedError, run_ranks
 
@@ -247,3 +248,45 @@ def test_joinables_that_cannot_go_on_are_refused_before_training() -> None:
     assert fsdp.startswith("Join(on_rank_lost='continue'): FSDPJoinable cannot go on without a lost rank"), (
         fsdp
     )
+
+
+SAMPLES = 40
+BATCH = 2
+
+
+def _count_samples(rank: int, world_size: int, shuffle: bool) -> None:
+    """Rank 2 is killed in its 4th batch; the survivors take its later samples
+    over: each sample of the epoch is trained on exactly once."""
+    features = torch.randn(SAMPLES, 4, generator=torch.Generator().manual_seed(0))
+    dataset = TensorDataset(torch.arange(SAMPLES))
+    sampler = UnevenDistributedSampler(dataset, shuffle=shuffle, seed=5)
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trained: list[int] = []
+    with Join([model], on_rank_lost="continue", liveness_timeout=LIVENESS) as join:
+        sampler.follow(join, BATCH)
+        for step, (indices,) in enumerate(loader):
+            optimizer.zero_grad()
+            loss = model(features[indices]).square().mean()
+            if rank == 2 and step == LOST_AT:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            optimizer.step()
+            trained += indices.tolist()
+    assert join.contributions == {2: LOST_AT}, join.contributions
+    order = list(sampler._order())
+    lost_trained = order[2:SAMPLES:world_size][: LOST_AT * BATCH]
+    mine = torch.full((SAMPLES,), -1, dtype=torch.int64)
+    mine[: len(trained)] = torch.tensor(trained)
+    gathered = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(gathered, mine, group=join.process_group)
+    everything = sorted([i for i in torch.cat(gathered).tolist() if i >= 0] + lost_trained)
+    assert everything == list(range(SAMPLES)), everything
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_sample_of_the_epoch_is_trained_on_once_when_a_rank_is_lost(shuffle: bool) -> None:
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_count_samples, 3, shuffle, timeout=90)
+    assert list(failed.value.failures) == [2], str(failed.value)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
+from typing import Final
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from join_core import Join
+
 __all__ = ["UnevenDistributedSampler"]
+
+_CLAIMS: Final = "ddp_join/sampler/claims"  # store keys under which survivors take a lost rank's samples
 
 
 class UnevenDistributedSampler(Sampler[int]):
@@ -29,6 +34,9 @@ class UnevenDistributedSampler(Sampler[int]):
         seed: the shuffle's seed; the same on every rank.
         drop_last: drop the last ``len(dataset) % num_replicas`` samples of
             the order, so that every rank gets the same count.
+
+    Under ``Join(on_rank_lost="continue")``, :meth:`follow` makes the
+    survivors take over a lost rank's samples.
 
     Example::
 
@@ -71,15 +79,64 @@ class UnevenDistributedSampler(Sampler[int]):
         self.total_size = usable
         #: This rank's number of samples.
         self.num_samples: int = len(range(rank, usable, num_replicas))
+        self._join: Join | None = None
+        self._batch_size = 1
 
-    def __iter__(self) -> Iterator[int]:
+    def follow(self, join: Join, batch_size: int) -> None:
+        """Take over, with the other survivors, the samples of ranks that
+        ``join`` (``on_rank_lost="continue"``) loses.
+
+        A lost rank took part in ``join.contributions[rank]`` iterations, so
+        its first that many batches of ``batch_size`` samples were trained
+        on; once this rank has drawn its own samples, it draws the lost
+        rank's later ones (the batch it had in flight included), a batch at a
+        time, claimed through the rendezvous store so that each goes to one
+        survivor only. A survivor that has drawn its last sample before the
+        loss is agreed takes none; the others take them all.
+
+        Args:
+            join: the Join the training loop runs in (this epoch's).
+            batch_size: the samples of one iteration of a rank (the DataLoader's).
+
+        Raises:
+            ValueError: ``batch_size`` is not positive.
+        """
+        if batch_size < 1:
+            raise ValueError(f"UnevenDistributedSampler.follow(batch_size={batch_size}): must be at least 1")
+        self._join = join
+        self._batch_size = batch_size
+
+    def _order(self) -> list[int]:
         if self.shuffle:
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)
             order: list[int] = torch.randperm(len(self.dataset), generator=generator).tolist()
-        else:
-            order = list(range(len(self.dataset)))
-        return iter(order[self.rank : self.total_size : self.num_replicas])
+            return order
+        return list(range(len(self.dataset)))
+
+    def __iter__(self) -> Iterator[int]:
+        order = self._order()
+        yield from order[self.rank : self.total_size : self.num_replicas]
+        if self._join is not None:
+            yield from self._taken_over(order, self._join)
+
+    def _taken_over(self, order: list[int], join: Join) -> Iterator[int]:
+        """The lost ranks' samples this rank claims, a batch at a time."""
+        store = join.process_group.get_group_store()
+        done: set[int] = set()
+        while True:
+            lost = {rank: count for rank, count in join.contributions.items() if rank not in done}
+            if not lost:
+                return
+            rank = min(lost)
+            left = order[rank : self.total_size : self.num_replicas][lost[rank] * self._batch_size :]
+            key = f"{_CLAIMS}/{self.seed}/{self.epoch}/{rank}"
+            while True:
+                end = int(store.add(key, self._batch_size))
+                if end - self._batch_size >= len(left):
+                    break
+                yield from left[end - self._batch_size : end]
+            done.add(rank)
 
     def __len__(self) -> int:
         return self.num_samples

@@ -185,6 +185,7 @@ class Join:
         self._on_rank_lost = _check_on_rank_lost(on_rank_lost, liveness_timeout, self._joinables, self._hooks)
         self._members = _global_ranks(self._group)  # global rank of each rank of the current group
         self._lost: dict[int, str] = {}  # global rank -> what was seen, and when it was removed
+        self._contributions: dict[int, int] = {}  # lost global rank -> heartbeats it took part in
         self._regroup_prefix = ""  # the first watch's, under which every agreement of this Join is kept
         self._period = sum(hook.regroup_phases for hook in self._hooks)  # stages of one iteration
         record_collectives()
@@ -279,6 +280,12 @@ class Join:
         """Global rank -> what was seen, of each rank lost so far and gone on without."""
         return dict(self._lost)
 
+    @property
+    def contributions(self) -> dict[int, int]:
+        """Lost global rank -> how many of the Join's iterations (heartbeats) it
+        took part in: the survivors' gradients hold its part of exactly those."""
+        return dict(self._contributions)
+
     @staticmethod
     def continues_on_loss(joinable: Joinable) -> bool:
         """Whether ``joinable`` is inside an entered Join with ``on_rank_lost="continue"``:
@@ -353,6 +360,7 @@ class Join:
             expected,
             position,
             self._iterations,
+            self._reported,
             lambda rank: watch.quiet_for(watched[rank]),
             self._liveness_timeout,
             _AGREEMENT_POLL_S,
@@ -371,6 +379,9 @@ class Join:
         )
         for rank in set(lost) - set(self._lost):
             lost[rank] = f"{lost[rank]}; removed at iteration {iteration}"
+            # It took part in every heartbeat a survivor completed (one that finished the
+            # interrupted iteration hands its result to the others).
+            self._contributions[rank] = max(agreement.heartbeats)
         self._lost = lost
         self._group = group
         self._members = agreement.members

@@ -98,6 +98,7 @@ class _Agreement:
     members: tuple[int, ...]
     positions: tuple[int, ...]
     iterations: tuple[int, ...]
+    heartbeats: tuple[int, ...]
 
 
 def agree(
@@ -107,6 +108,7 @@ def agree(
     expected: list[int],
     position: int,
     iteration: int,
+    heartbeats: int,
     quiet_for: Callable[[int], float | None],
     silent_after: timedelta,
     poll: float,
@@ -122,7 +124,7 @@ def agree(
         TimeoutError: a survivor still alive did not arrive within ``wait``.
     """
     record_key = f"{prefix}record"
-    store.set(f"{prefix}at/{me}", f"{position} {iteration}")
+    store.set(f"{prefix}at/{me}", f"{position} {iteration} {heartbeats}")
     deadline = time.monotonic() + wait.total_seconds()
     while not store.check([record_key]):
         arrived = [rank for rank in expected if store.check([f"{prefix}at/{rank}"])]
@@ -135,6 +137,7 @@ def agree(
                     "members": arrived,
                     "positions": [place[0] for place in places],
                     "iterations": [place[1] for place in places],
+                    "heartbeats": [place[2] for place in places],
                 }
             )
             store.compare_set(record_key, "", proposal)
@@ -175,12 +178,14 @@ def build_group(members: tuple[int, ...], like: dist.ProcessGroup) -> dist.Proce
     return group
 
 
-def _parse_place(raw: bytes) -> tuple[int, int]:
-    position, _, iteration = raw[:64].decode("ascii", "replace").partition(" ")
+def _parse_place(raw: bytes) -> tuple[int, int, int]:
     try:
-        return int(position), int(iteration)
+        position, iteration, heartbeats = (
+            int(part) for part in raw[:96].decode("ascii", "replace").split(" ")
+        )
     except ValueError:
-        return -1, -1
+        return -1, -1, -1
+    return position, iteration, heartbeats
 
 
 def _parse_record(raw: bytes, expected: list[int] | None) -> _Agreement:
@@ -192,12 +197,13 @@ def _parse_record(raw: bytes, expected: list[int] | None) -> _Agreement:
         members = tuple(int(rank) for rank in parsed["members"])
         positions = tuple(int(value) for value in parsed["positions"])
         iterations = tuple(int(value) for value in parsed["iterations"])
+        heartbeats = tuple(int(value) for value in parsed["heartbeats"])
     except (ValueError, TypeError, KeyError, RecursionError) as error:
         raise ValueError(
             f"Join: the survivors' agreement record in the store is malformed: {error}"
         ) from None
-    if len(positions) != len(members) or len(iterations) != len(members) or len(set(members)) != len(members):
+    if len({len(members), len(positions), len(iterations), len(heartbeats), len(set(members))}) != 1:
         raise ValueError("Join: the survivors' agreement record in the store is malformed")
     if expected is not None and not set(members) <= set(expected):
         raise ValueError(f"Join: the survivors' agreement names ranks {list(members)} beyond {expected}")
-    return _Agreement(members, positions, iterations)
+    return _Agreement(members, positions, iterations, heartbeats)
