@@ -42,7 +42,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             is reduced, from the communication hook
             :func:`ddp_join.hook_with_zero_step` (register it on the model);
             ``step()`` then steps nothing again.
-        shard_replicas: 1: each rank also keeps, and steps, a replica of the
+        shard_replicas: (keyword, ours) 1: each rank also keeps, and steps, a replica of the
             next lower rank's shard (its optimizer state; the gradients and
             parameters are there already), so that the state survives the
             loss of its owner under ``Join(on_rank_lost="continue")``: the
@@ -68,10 +68,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
-        *,
-        shard_replicas: int = 0,
         **defaults: Any,
     ) -> None:
+        # Ours, taken from the keywords so that the signature stays torch's.
+        shard_replicas = defaults.pop("shard_replicas", 0)
         if shard_replicas not in (0, 1):
             raise ValueError(
                 f"ZeroRedundancyOptimizer(shard_replicas={shard_replicas!r}): must be 0 or 1 "
@@ -82,7 +82,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 "ZeroRedundancyOptimizer(shard_replicas=1, overlap_with_ddp=True): replicas are stepped in "
                 "step(); use overlap_with_ddp=False"
             )
-        self.shard_replicas = shard_replicas
+        self.shard_replicas: int = shard_replicas
         self.overlap_with_ddp = overlap_with_ddp
         self.process_group: dist.ProcessGroup
         self.process_group = group = resolve_group(process_group, "ZeroRedundancyOptimizer")
