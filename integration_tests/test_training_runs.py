@@ -210,3 +210,33 @@ def test_a_script_run_without_torchruns_environment_says_what_to_set_in_one_para
     [paragraph] = result.stderr.splitlines()
     assert "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set" in paragraph
     assert "torchrun --nproc-per-node 2 " in paragraph and "launch.py" in paragraph
+
+
+@DEVICES
+def test_survivors_of_a_killed_rank_finish_the_epoch_exactly(
+    device: str, backend: str, tmp_path: Path
+) -> None:
+    nproc = _ranks(backend, 3)
+    lost = nproc - 2
+    exits = launch(
+        HERE / "train_survivors.py",
+        nproc,
+        ["--device", device, "--backend", backend, "--lose-rank", f"{lost}@4", "--result-dir", str(tmp_path)],
+        timeout=120.0,
+        grace=120.0,
+    )
+    wrong = [e for e in exits if (e.returncode != -9) == (e.rank == lost)]
+    assert not wrong, "\n".join(f"--- rank {e.rank} (exit {e.returncode}) ---\n{e.output}" for e in wrong)
+    survivors = [rank for rank in range(nproc) if rank != lost]
+    results = {}
+    for rank in survivors:
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
+            results[rank] = pickle.load(f)
+    first = results[survivors[0]]
+    assert list(first["lost"]) == [lost] and len(first["lost"][lost]) == 4
+    trained = [first["lost"][lost] if rank == lost else results[rank]["batches"] for rank in range(nproc)]
+    assert sorted(b for batches in trained for b in batches) == list(range(30))  # each batch once
+    for rank in survivors[1:]:
+        assert torch.equal(results[rank]["params"], first["params"])
+    expected = reference_dense(trained, lambda ps: torch.optim.Adam(ps, lr=0.02))
+    torch.testing.assert_close(first["params"], expected, rtol=1e-5, atol=1e-6)

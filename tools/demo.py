@@ -12,13 +12,21 @@ fully_shard under Join([FSDPJoinable(model, optimizer)]), each with its own
 number of batches, then evaluates it exactly on a set split by
 UnevenDistributedSampler.
 
+With --lose-rank R@K, rank R is killed (SIGKILL) in iteration K of a run
+under Join(on_rank_lost="continue") (DDP + ZeRO with shard replicas, batches
+from UnevenDistributedSampler): the survivors take its later batches over and
+go on, and must end with the same model, equal to a single-process run over
+the batches each rank trained on.
+
     python3 tools/dev.py demo [--nproc N] [--device cpu|cuda] [--backend gloo|nccl] [--fsdp]
+    python3 tools/dev.py demo --nproc 3 --lose-rank 1@5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 import tempfile
 import time
@@ -50,9 +58,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--fsdp", action="store_true", help="train an FSDP2 model, then evaluate it exactly (no coordinator)"
     )
+    parser.add_argument(
+        "--lose-rank",
+        metavar="R@K",
+        default=None,
+        help="kill rank R in iteration K; the survivors go on (Join(on_rank_lost='continue'))",
+    )
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error(f"--nproc {args.nproc}: need at least one rank")
+    if args.lose_rank is not None:
+        lost = _lost_rank(parser, args.lose_rank, args.nproc, args.fsdp)
+        problem = device_problem(args.device, args.backend, args.nproc)
+        if problem is not None:
+            parser.exit(2, f"demo: {problem}\n")
+        return lose_rank_demo(Console(), args.nproc, args.device, args.backend, lost, args.lose_rank)
     problem = device_problem(args.device, args.backend, args.nproc)
     if problem is not None:  # one sentence now rather than a traceback from every rank later
         parser.exit(2, f"demo: {problem}\n")
@@ -121,6 +141,67 @@ def main(argv: list[str]) -> int:
                 return 1
             results = read_results(Path(result_dir), args.nproc)
     return summarize(console, results, joined)
+
+
+def _lost_rank(parser: argparse.ArgumentParser, value: str, nproc: int, fsdp: bool) -> int:
+    rank, _, iteration = value.partition("@")
+    if not (rank.isdigit() and iteration.isdigit()):
+        parser.error(f"--lose-rank {value}: expected RANK@ITERATION, e.g. 1@5")
+    if fsdp:
+        parser.error("--lose-rank with --fsdp: FSDP2 cannot go on without a lost rank; drop one of them")
+    if nproc < 2 or int(rank) >= nproc:
+        parser.error(f"--lose-rank {value}: rank {rank} is not one of --nproc {nproc} ranks (need 2 or more)")
+    return int(rank)
+
+
+def lose_rank_demo(console: Console, nproc: int, device: str, backend: str, lost: int, spec: str) -> int:
+    """Run train_survivors.py with rank ``lost`` killed as ``spec`` says; check the survivors."""
+    console.print(
+        f"[bold]{nproc} ranks[/] on {device} over {backend}; rank {lost} is killed in iteration "
+        f"{spec.partition('@')[2]}; the others go on (Join(on_rank_lost='continue'))"
+    )
+    with tempfile.TemporaryDirectory() as result_dir:
+        exits = launch(
+            ROOT / "integration_tests" / "train_survivors.py",
+            nproc,
+            ["--device", device, "--backend", backend, "--lose-rank", spec, "--result-dir", result_dir],
+            timeout=120.0,
+            grace=120.0,  # the survivors go on: nothing to cut short
+        )
+        wrong = [e for e in exits if (e.returncode != -9) == (e.rank == lost)]
+        for e in wrong:
+            console.print(f"[red]rank {e.rank} exited {e.returncode}[/]\n{e.output}")
+        if wrong:
+            return 1
+        survivors = [rank for rank in range(nproc) if rank != lost]
+        results = {rank: read_results_of(Path(result_dir), rank) for rank in survivors}
+    first = results[survivors[0]]
+    trained = [first["lost"][lost] if rank == lost else results[rank]["batches"] for rank in range(nproc)]
+    table = Table(title="summary")
+    for column in ("rank", "batches trained", "slowest iteration"):
+        table.add_column(column, justify="right")
+    for rank in range(nproc):
+        slowest = "-" if rank == lost else f"{results[rank]['slowest']:.2f} s"
+        table.add_row(str(rank) + (" (lost)" if rank == lost else ""), str(len(trained[rank])), slowest)
+    console.print(table)
+    everything = sorted(batch for batches in trained for batch in batches)
+    once = everything == sorted(set(everything)) and len(everything) == 30
+    identical = all(torch.equal(first["params"], results[rank]["params"]) for rank in survivors)
+    expected = reference_dense(trained, lambda ps: torch.optim.Adam(ps, lr=0.02))
+    matches = torch.allclose(first["params"], expected, rtol=1e-5, atol=1e-6)
+    console.print(f"every batch of the epoch trained on once: {'yes' if once else '[red]NO[/]'}")
+    console.print(f"every survivor holds the same model: {'yes' if identical else '[red]NO[/]'}")
+    console.print(
+        "equal to a single-process run over the batches each rank trained on: "
+        + ("yes" if matches else "[red]NO[/]")
+    )
+    return 0 if once and identical and matches else 1
+
+
+def read_results_of(result_dir: Path, rank: int) -> dict[str, Any]:
+    with open(result_dir / f"rank{rank}.pkl", "rb") as f:
+        result: dict[str, Any] = pickle.load(f)
+    return result
 
 
 def device_problem(device: str, backend: str, nproc: int) -> str | None:

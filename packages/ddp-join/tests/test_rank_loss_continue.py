@@ -275,8 +275,7 @@ def _count_samples(rank: int, world_size: int, shuffle: bool) -> None:
             optimizer.step()
             trained += indices.tolist()
     assert join.contributions == {2: LOST_AT}, join.contributions
-    order = list(sampler._order())
-    lost_trained = order[2:SAMPLES:world_size][: LOST_AT * BATCH]
+    lost_trained = sampler.indices_of(2)[: LOST_AT * BATCH]
     mine = torch.full((SAMPLES,), -1, dtype=torch.int64)
     mine[: len(trained)] = torch.tensor(trained)
     gathered = [torch.empty_like(mine) for _ in range(2)]

@@ -114,6 +114,17 @@ class UnevenDistributedSampler(Sampler[int]):
             return order
         return list(range(len(self.dataset)))
 
+    def indices_of(self, rank: int) -> list[int]:
+        """The indices ``rank`` draws of its own this epoch, in order (without
+        those it takes over from lost ranks): e.g. a lost rank trained on the
+        first ``join.contributions[rank] * batch_size`` of them."""
+        if not 0 <= rank < self.num_replicas:
+            raise ValueError(
+                f"UnevenDistributedSampler.indices_of(rank={rank}): out of range for "
+                f"num_replicas={self.num_replicas}"
+            )
+        return self._order()[rank : self.total_size : self.num_replicas]
+
     def __iter__(self) -> Iterator[int]:
         order = self._order()
         yield from order[self.rank : self.total_size : self.num_replicas]
