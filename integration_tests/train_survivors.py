@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 from training_common import flat, make_batch, make_model, make_parser, rank_from_env, write_result
 
 from ddp_join import DistributedDataParallel, UnevenDistributedSampler, ZeroRedundancyOptimizer
@@ -57,8 +57,9 @@ def main(argv: list[str]) -> int:
     me = rank_from_env(args.device, args.backend)
     lost_rank, lost_at = args.lose_rank if args.lose_rank is not None else (-1, -1)
     dist.init_process_group(me.backend, init_method="env://", timeout=timedelta(seconds=120))
-    sampler = UnevenDistributedSampler(range(args.batches), shuffle=True, seed=3)
-    loader = DataLoader(range(args.batches), batch_size=1, sampler=sampler)
+    batch_ids = TensorDataset(torch.arange(args.batches))
+    sampler = UnevenDistributedSampler(batch_ids, shuffle=True, seed=3)
+    loader: DataLoader[tuple[torch.Tensor, ...]] = DataLoader(batch_ids, batch_size=1, sampler=sampler)
     model = DistributedDataParallel(
         make_model().to(me.device), device_ids=[me.device] if me.device.type == "cuda" else None
     )
