@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_continue import continue_figures
 from bench_fsdp import fsdp_figures
 from bench_hosts import two_host_figures
 from bench_lightning import lightning_figures
@@ -319,6 +320,7 @@ def round_two_ddp_figures(rounds: int, quick: bool) -> list[Figure]:
 
 SECTIONS: dict[str, Callable[[int, bool], list[Figure]]] = {
     "ddp": ddp_figures,
+    "continue": continue_figures,
     "fsdp": fsdp_figures,
     "overlap": round_two_ddp_figures,
     "lightning": lightning_figures,
@@ -378,7 +380,9 @@ def main(argv: list[str]) -> int:
         if unknown:
             parser.error(f"--only: unknown sections {unknown}; choose from {','.join(SECTIONS)}")
     else:
-        sections = ["ddp", "fsdp", "overlap", "lightning"] + ([] if args.ddp_only else ["rpc", "ps"])
+        sections = ["ddp", "continue", "fsdp", "overlap", "lightning"] + (
+            [] if args.ddp_only else ["rpc", "ps"]
+        )
         sections += (["scale"] if args.scale else []) + (["two-hosts"] if args.two_hosts else [])
     load = [_uptime()]
     figures = [f for section in sections for f in SECTIONS[section](args.rounds, args.quick)]

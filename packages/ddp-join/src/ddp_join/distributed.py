@@ -94,10 +94,11 @@ class _Bucket:
     reduced: torch.Tensor | None = None
     # Each .grad is a view into the buffer (gradient_as_bucket_view, same dtype).
     as_view: bool = False
-    # Join(on_rank_lost="continue") only: the buffer as launched (to redo its reduction
-    # without a lost rank), and as last reduced (for survivors that could not finish it).
-    backup: torch.Tensor | None = None
+    # Join(on_rank_lost="continue") only: the buffer as last reduced (for survivors that
+    # could not finish that reduction) and, with gradient views, as launched (to redo a
+    # reduction without a lost rank; otherwise the gradients in .grad serve).
     completed: torch.Tensor | None = None
+    backup: torch.Tensor | None = None
     grads: torch.Tensor = field(init=False)
     views: list[torch.Tensor] = field(init=False)
 
@@ -107,6 +108,24 @@ class _Bucket:
             self.grads[offset : offset + param.numel()].view_as(param)
             for param, offset in zip(self.params, self.offsets)
         ]
+
+    def keep_copies(self, keep: bool) -> None:
+        """Keep the copies above (continue mode) or drop them."""
+        if not keep:
+            self.completed = self.backup = None
+            return
+        self.completed = torch.zeros_like(self.buffer)  # zeros: its padding is reduced too, once swapped in
+        self.backup = torch.empty_like(self.buffer) if self.as_view else None
+
+    def keep_reduced(self) -> None:
+        """Keep the buffer just reduced as ``completed``: without gradient views,
+        by taking the other buffer for the next iteration's gradients (no copy)."""
+        assert self.completed is not None
+        if self.as_view:
+            self.completed.copy_(self.buffer)  # .grad views this buffer: it must stay
+            return
+        self.buffer, self.completed = self.completed, self.buffer
+        self.__post_init__()
 
     def grad_view(self, position: int) -> torch.Tensor:
         """The part of the buffer that holds parameter ``position``'s gradient."""
@@ -764,7 +783,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             # The built-in reduction, in place: waited for through its work, no callback.
             bucket.reduced = bucket.buffer if rides else bucket.grads
             if bucket.backup is not None:
-                bucket.backup.copy_(bucket.buffer)
+                bucket.backup.copy_(bucket.buffer)  # gradient views: .grad is this buffer
             bucket.work = dist.all_reduce(bucket.reduced, group=self.process_group, async_op=True)
             return
         if self._meta_future is not None and not self._divide_by_initial_world_size:
@@ -857,6 +876,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                     break
         self._handoff = False
         self._reductions += 1
+        if self._keeps_copies:
+            for bucket in self._buckets:
+                bucket.keep_reduced()
         return meta[0] if self._rides(first) else None
 
     def _write_captured(
@@ -908,7 +930,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
 
     def _await_reductions(self) -> None:
         """Wait for every bucket's reduction; when one fails because a rank was
-        lost, complete it on the survivors' group. Then keep the results."""
+        lost, complete it on the survivors' group."""
         while True:
             try:
                 for bucket in self._buckets:
@@ -916,9 +938,6 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 break
             except Exception as failure:  # noqa: BLE001 - Join.recover re-raises what it cannot recover
                 self._recover(failure, _REDUCING)
-        for bucket in self._buckets:
-            assert bucket.completed is not None
-            bucket.completed.copy_(bucket.buffer)
 
     def _recover(self, failure: BaseException, phase: int) -> None:
         """Go on without the lost ranks (or raise): once the survivors agreed
@@ -932,13 +951,31 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     def _relaunch(self) -> None:
         """Reduce every bucket again, as launched, on the survivors' group."""
         for bucket in self._buckets:
-            assert bucket.backup is not None
-            bucket.buffer.copy_(bucket.backup)
+            if bucket.backup is not None:
+                bucket.buffer.copy_(bucket.backup)
+            else:
+                self._refill(bucket)
             if self._rides(bucket):
                 meta = self._signal_meta(self._launched_training, bucket.buffer.dtype)
                 bucket.buffer[: bucket.meta_len].copy_(meta)
             bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
             bucket.work = dist.all_reduce(bucket.reduced, group=self.process_group, async_op=True)
+
+    def _refill(self, bucket: _Bucket) -> None:
+        """Write this rank's gradients into ``bucket`` again, as :meth:`_grad_ready` did:
+        nothing has been written back to .grad (or the captured gradients) yet. A
+        joined rank's buckets hold zeros."""
+        if not self._launched_training:
+            bucket.grads.zero_()
+            return
+        for position, param in enumerate(bucket.params):
+            index = self._param_index[id(param)]
+            grad = self._captured.get(index) if self._distributed else param.grad
+            view = bucket.grad_view(position)
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad if grad.layout == torch.strided else grad.to_dense())
 
     def _regroup(self, recovery: Recovery, first_phase: int) -> None:
         """Issue every later collective on the survivors' group (gradients are
@@ -1156,14 +1193,13 @@ class _DDPJoinHook(JoinHook):
         ddp = self.ddp
         ddp._keeps_copies = Join.continues_on_loss(ddp)
         for bucket in ddp._buckets:
-            bucket.backup = torch.empty_like(bucket.buffer) if ddp._keeps_copies else None
-            bucket.completed = torch.empty_like(bucket.buffer) if ddp._keeps_copies else None
+            bucket.keep_copies(ddp._keeps_copies)
 
     def exit_hook(self) -> None:
         ddp = self.ddp
         ddp._keeps_copies = False
         for bucket in ddp._buckets:
-            bucket.backup = bucket.completed = None
+            bucket.keep_copies(False)
 
     def regroup_hook(self, recovery: Recovery, first_phase: int) -> None:
         self.ddp._regroup(recovery, first_phase)
