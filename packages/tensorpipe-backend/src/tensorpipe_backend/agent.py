@@ -8,7 +8,8 @@ The agent wires the rooms that follow one call:
 - frame: :meth:`.connection.Connection.write` frames it (:mod:`.wire`);
 - read: the peer's reader thread reads it (:mod:`.reader`);
 - dispatch: :meth:`TensorPipeAgent._dispatch` hands a request to
-  :mod:`.requests` and a reply to :mod:`.calls`;
+  :mod:`.requests` (through a peer's :mod:`.strands` when earlier ones wait)
+  and a reply to :mod:`.calls`;
 - reply: :mod:`.requests` sends the handler's reply back, and the caller's
   reader (or, in ``send_wait``, the caller itself) completes the call.
 
@@ -58,6 +59,7 @@ from .requests import Requests
 from .rounds import GroupRounds
 from .secret import resolve_secret
 from .shm import host_identity
+from .strands import call_out, running
 from .transport import local_listener
 from .wire import FrameError, Kind
 
@@ -470,6 +472,8 @@ class TensorPipeAgent:
             # A reader thread calling out will likely wait for the reply: another thread reads meanwhile.
             reading.reading = None
             self._readers.hand_off(*current)
+        if getattr(running, "strand", None) is not None:
+            call_out()  # likewise, another thread runs the later requests of the peer whose request calls out
         calls = self._calls
         pending = Pending(sink, next(calls.ids), to.name)
         reason = self._left.get(to.name)
