@@ -236,16 +236,20 @@ def serve_once_queued(
     shutdown(graceful=True, timeout=30.0)
 
 
-def call_back_scenario(init_method: str, results: Any, done: Any) -> None:
-    """s0: once s1 (:func:`serve_once_queued`) holds this worker's request, that request calls
-    back here and this worker calls s1 in turn; reports what the request returned, or its error."""
+def call_s1_scenario(
+    init_method: str, results: Any, done: Any, calls: list[tuple[Callable[..., object], tuple[Any, ...]]]
+) -> None:
+    """s0: sends s1 (:func:`serve_once_queued`) the ``calls`` (function, arguments) at once, in
+    order; reports what the first returned, or its error, once all are done."""
     init_rpc("s0", backend(), 0, 2, options(init_method))
-    future = rpc_async("s1", call_back_through, args=("s0", 3.0), timeout=20.0)
-    try:
-        outcome: object = future.wait()
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        outcome = f"{type(exc).__name__}: {exc}"
-    results.put(outcome)
+    futures = [rpc_async("s1", fn, args=args, timeout=20.0) for fn, args in calls]
+    outcomes: list[object] = []
+    for future in futures:
+        try:
+            outcomes.append(future.wait())
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+    results.put(outcomes[0])
     done.set()
     shutdown(graceful=True, timeout=30.0)
 
@@ -261,6 +265,20 @@ def call_back_through(via: str, timeout: float) -> tuple[str, str]:
 def ask_name(of: str, timeout: float) -> str:
     """Ask ``of`` for its name, waiting at most ``timeout`` s."""
     return str(rpc_sync(of, whoami, timeout=timeout))
+
+
+RELEASED = threading.Event()
+
+
+def wait_for_release(timeout: float) -> tuple[str, bool]:
+    """Wait at most ``timeout`` s for a call of :func:`release`, without calling out: the name of
+    the thread that ran this call, and whether the release came."""
+    return threading.current_thread().name, RELEASED.wait(timeout)
+
+
+def release() -> None:
+    """End :func:`wait_for_release`."""
+    RELEASED.set()
 
 
 def dynamic_member(

@@ -25,6 +25,7 @@ from .connection import SMALL_PAYLOAD, Connection, prepare_tensor
 from .options import DeviceMap
 from .reader import reading
 from .strands import Strands
+from .watch import Watch
 from .wire import FrameError, Kind, small_frame
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -44,8 +45,8 @@ class Requests:
     """The requests this worker received and has not answered yet.
 
     ``me`` names this worker in logs; ``lock`` is the agent's (``calls``
-    shares it); ``pool`` runs the strands; ``reverse_map`` gives, per peer,
-    where a reply's tensors land there.
+    shares it); ``pool`` runs the strands, which ``watch`` watches;
+    ``reverse_map`` gives, per peer, where a reply's tensors land there.
     """
 
     def __init__(
@@ -55,13 +56,17 @@ class Requests:
         calls: Calls,
         pool: ThreadPoolExecutor,
         reverse_map: Callable[[str], DeviceMap],
+        watch: Watch,
     ) -> None:
         self._me = me
         self._lock = lock
         self._calls = calls
         self._pool = pool
         self._reverse_map = reverse_map
-        self._strands: Strands[tuple[Connection, int, Message]] = Strands(lock, self._run_waiting, pool)
+        self._strands: Strands[tuple[Connection, int, Message]] = Strands(
+            lock, self._run_waiting, pool, watch
+        )
+        watch.add(self._strands)
         self._handler: RequestHandler | None = None
 
     def start(self, handler: RequestHandler) -> None:

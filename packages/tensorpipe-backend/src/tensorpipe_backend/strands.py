@@ -8,22 +8,25 @@ peer still wait, joins the peer's strand instead: one worker-pool thread at
 a time, its runner, takes the strand's requests in order and runs them.
 
 A runner whose request calls out (sends a call of its own, and will likely
-wait for the reply: :func:`call_out`) hands the strand to another pool
-thread and ends when that request is done, as a reader hands its socket on
-(:mod:`tensorpipe_backend.reader`). What the call waits for may be a later
-request of the same peer: in a distributed backward pass the worker that
-waits for the pass is sent gradients back as requests. From then on that
-request and the later ones of its peer run side by side; each still starts
-after the ones its peer sent before it.
+wait for the reply: :func:`call_out`), or that the watch finds busy on one
+request for too long (:mod:`tensorpipe_backend.watch`), hands the strand to
+another pool thread and ends when that request is done, as a reader hands
+its socket on (:mod:`tensorpipe_backend.reader`). What the request waits for
+may be a later request of the same peer: in a distributed backward pass the
+worker that waits for the pass is sent gradients back as requests. From
+then on that request and the later ones of its peer run side by side; each
+still starts after the ones its peer sent before it.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Final, Generic, TypeVar
+
+from .watch import Watch
 
 __all__ = ["Strand", "Strands", "call_out", "running"]
 
@@ -37,13 +40,15 @@ running: threading.local = threading.local()
 
 
 class Strand(Generic[T]):
-    """The waiting requests of one peer, and the token of the thread that runs them (``None``: none)."""
+    """The waiting requests of one peer, the token of the thread that runs them (``None``: none),
+    and the job number of the request it runs (``0``: none, see :mod:`.watch`)."""
 
-    __slots__ = ("queue", "runner")
+    __slots__ = ("busy", "queue", "runner")
 
     def __init__(self) -> None:
         self.queue: collections.deque[T] = collections.deque()
         self.runner: object | None = None
+        self.busy = 0
 
 
 class _Running(Generic[T]):
@@ -58,16 +63,19 @@ class _Running(Generic[T]):
 
 
 class Strands(Generic[T]):
-    """The strands of one agent's peers, by peer name.
+    """The strands of one agent's peers, by peer name; a room of ``watch`` (see :mod:`.watch`).
 
     ``lock`` is the agent's; ``run`` runs one request (it must not raise);
     ``pool`` runs the runners.
     """
 
-    def __init__(self, lock: threading.RLock, run: Callable[[T], None], pool: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, lock: threading.RLock, run: Callable[[T], None], pool: ThreadPoolExecutor, watch: Watch
+    ) -> None:
         self._lock = lock
         self._run = run
         self._pool = pool
+        self._watch = watch
         self._strands: dict[str, Strand[T]] = {}
         self._open = False
 
@@ -102,10 +110,11 @@ class Strands(Generic[T]):
 
     def hand_off(self, strand: Strand[T], token: object) -> None:
         """Give ``strand``'s later requests another runner, if ``token`` is its runner (which
-        runs a request that calls out); it ends when that request is done."""
+        runs a request that calls out or takes long); it ends when that request is done."""
         with self._lock:
             if strand.runner is not token:
                 return
+            strand.busy = 0
             if not strand.queue:
                 strand.runner = None  # the next request runs at once, in its reader thread
                 return
@@ -117,6 +126,17 @@ class Strands(Generic[T]):
                 if strand.runner is new:
                     strand.runner = token
 
+    def busy(self) -> list[tuple[Hashable, int, object]]:
+        """Each strand whose runner runs a request now: the strand, the request's job number and
+        the runner's token (see :class:`.watch.Room`)."""
+        with self._lock:
+            return [(s, s.busy, s.runner) for s in self._strands.values() if s.busy]
+
+    def relieve(self, holder: Hashable, token: object) -> None:
+        """:meth:`hand_off` for the watch."""
+        assert isinstance(holder, Strand)
+        self.hand_off(holder, token)
+
     def _launch(self, strand: Strand[T], token: object) -> None:
         try:
             self._pool.submit(self._drain, strand, token)
@@ -126,19 +146,28 @@ class Strands(Generic[T]):
     def _drain(self, strand: Strand[T], token: object) -> None:
         """Run ``strand``'s requests in order while ``token`` is its runner."""
         outer = getattr(running, "strand", None)
+        watch = self._watch
         try:
             for _ in range(_BATCH):
                 with self._lock:
                     if strand.runner is not token:
-                        return  # handed on (see call_out)
+                        return  # handed on
                     if not strand.queue:
                         strand.runner = None
+                        strand.busy = 0
                         return
                     request = strand.queue.popleft()
+                    strand.busy = watch.job()
+                if watch.sleeping:
+                    watch.wake()
                 running.strand = _Running(self, strand, token)
                 self._run(request)
         finally:
             running.strand = outer
+        with self._lock:
+            if strand.runner is not token:
+                return
+            strand.busy = 0  # not busy while it waits for a worker
         # Let other peers' requests have a worker before continuing with this one.
         self._launch(strand, token)
 
