@@ -23,9 +23,24 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from rpc_registry import BackendType, RRef, get_worker_info, init_rpc, remote, rpc_async, rpc_sync, shutdown
+from rpc_registry import (
+    BackendType,
+    RequestHandler,
+    RRef,
+    get_worker_info,
+    init_rpc,
+    remote,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+)
 from rpc_registry.functions import async_execution
-from tensorpipe_backend import TensorPipeRpcBackendOptions, ensure_registered, get_current_agent
+from tensorpipe_backend import (
+    TensorPipeAgent,
+    TensorPipeRpcBackendOptions,
+    ensure_registered,
+    get_current_agent,
+)
 
 TOKEN = "test-secret-of-this-job"
 CONTEXT = multiprocessing.get_context("spawn")
@@ -199,6 +214,71 @@ def call_then_shut_down(name: str, rank: int, world_size: int, init_method: str,
     futures.append(rpc_async("g0", sleep_then, args=(0.3, 10)))
     shutdown(graceful=True, timeout=60.0)
     results.put((name, [f.value() if f.done() else None for f in futures]))
+
+
+def serve_once_queued(
+    name: str, rank: int, world_size: int, init_method: str, queued: int, done: Any
+) -> None:
+    """Join a static group, but hand requests to the handler only once ``queued`` of them have
+    arrived (they wait in their peers' strands meanwhile, at most 30 s); serve until ``done`` (an
+    Event) is set, then shut down gracefully."""
+    start = TensorPipeAgent.start
+
+    def start_once_queued(agent: TensorPipeAgent, handler: RequestHandler) -> None:
+        deadline = time.monotonic() + 30.0
+        while agent._calls.active() < queued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start(agent, handler)
+
+    setattr(TensorPipeAgent, "start", start_once_queued)  # noqa: B010 - a method replaced, which mypy refuses
+    init_rpc(name, backend(), rank, world_size, options(init_method))
+    done.wait(60)
+    shutdown(graceful=True, timeout=30.0)
+
+
+def call_s1_scenario(
+    init_method: str, results: Any, done: Any, calls: list[tuple[Callable[..., object], tuple[Any, ...]]]
+) -> None:
+    """s0: sends s1 (:func:`serve_once_queued`) the ``calls`` (function, arguments) at once, in
+    order; reports what the first returned, or its error, once all are done."""
+    init_rpc("s0", backend(), 0, 2, options(init_method))
+    futures = [rpc_async("s1", fn, args=args, timeout=20.0) for fn, args in calls]
+    outcomes: list[object] = []
+    for future in futures:
+        try:
+            outcomes.append(future.wait())
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+    results.put(outcomes[0])
+    done.set()
+    shutdown(graceful=True, timeout=30.0)
+
+
+def call_back_through(via: str, timeout: float) -> tuple[str, str]:
+    """Call ``via``, which calls this worker back: a request that arrives from ``via`` while this
+    call waits. The name of the thread that ran this call, and what the call back returned."""
+    me = get_worker_info().name
+    answer: str = rpc_sync(via, ask_name, args=(me, timeout), timeout=3 * timeout)
+    return threading.current_thread().name, answer
+
+
+def ask_name(of: str, timeout: float) -> str:
+    """Ask ``of`` for its name, waiting at most ``timeout`` s."""
+    return str(rpc_sync(of, whoami, timeout=timeout))
+
+
+RELEASED = threading.Event()
+
+
+def wait_for_release(timeout: float) -> tuple[str, bool]:
+    """Wait at most ``timeout`` s for a call of :func:`release`, without calling out: the name of
+    the thread that ran this call, and whether the release came."""
+    return threading.current_thread().name, RELEASED.wait(timeout)
+
+
+def release() -> None:
+    """End :func:`wait_for_release`."""
+    RELEASED.set()
 
 
 def dynamic_member(

@@ -8,7 +8,8 @@ The agent wires the rooms that follow one call:
 - frame: :meth:`.connection.Connection.write` frames it (:mod:`.wire`);
 - read: the peer's reader thread reads it (:mod:`.reader`);
 - dispatch: :meth:`TensorPipeAgent._dispatch` hands a request to
-  :mod:`.requests` and a reply to :mod:`.calls`;
+  :mod:`.requests` (through a peer's :mod:`.strands` when earlier ones wait)
+  and a reply to :mod:`.calls`;
 - reply: :mod:`.requests` sends the handler's reply back, and the caller's
   reader (or, in ``send_wait``, the caller itself) completes the call.
 
@@ -58,7 +59,9 @@ from .requests import Requests
 from .rounds import GroupRounds
 from .secret import resolve_secret
 from .shm import host_identity
+from .strands import call_out, running
 from .transport import local_listener
+from .watch import Watch
 from .wire import FrameError, Kind
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -95,8 +98,9 @@ class TensorPipeAgent:
 
     handler_may_block: Final = True
     """The request handler may run the called function before it returns (see
-    ``rpc_registry.protocols.RpcAgent``): a reader thread that processes a frame
-    for a whole watch tick, or calls out, hands its socket to a new reader."""
+    ``rpc_registry.protocols.RpcAgent``): a reader thread, or a strand's runner,
+    whose call calls out or runs past four watch ticks (20 ms) hands its socket,
+    or the strand, to a new thread."""
 
     def __init__(
         self,
@@ -131,7 +135,8 @@ class TensorPipeAgent:
         self._local_listener: socket.socket | None = None
         self._rounds: GroupRounds | None = None
         self._calls = calls = Calls(name, lock, self._cond)
-        self._requests = requests = Requests(name, lock, calls, self._pool, self._reverse_map)
+        self._watch = watch = Watch()
+        self._requests = requests = Requests(name, lock, calls, self._pool, self._reverse_map, watch)
         self._readers = Readers(
             name,
             self._cuda_count,
@@ -141,7 +146,9 @@ class TensorPipeAgent:
             self._spawn,
             requests.submit,
             self._connections,
+            watch,
         )
+        watch.add(self._readers)
         self._peers: Peers | None = None
         try:
             self._secret = secret = resolve_secret(
@@ -187,7 +194,7 @@ class TensorPipeAgent:
             if self._local_listener is not None:
                 self._spawn(peers.accept_loop, "accept-local", self._local_listener)
             self._spawn(calls.run_deadlines, "deadlines")
-            self._spawn(self._readers.watch_loop, "watch")
+            self._spawn(watch.run, "watch")
             if world_size is not None:
                 self._join_static(record, world_size)
             else:
@@ -470,6 +477,8 @@ class TensorPipeAgent:
             # A reader thread calling out will likely wait for the reply: another thread reads meanwhile.
             reading.reading = None
             self._readers.hand_off(*current)
+        if getattr(running, "strand", None) is not None:
+            call_out()  # likewise, another thread runs the later requests of the peer whose request calls out
         calls = self._calls
         pending = Pending(sink, next(calls.ids), to.name)
         reason = self._left.get(to.name)
@@ -667,7 +676,7 @@ class TensorPipeAgent:
             conns = self._connections()
             self._cond.notify_all()
             self._calls.close()
-        self._readers.close()
+        self._watch.close()
         for listener in (self._listener, self._local_listener):
             if listener is not None:
                 listener.close()

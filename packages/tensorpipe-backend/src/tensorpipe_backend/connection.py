@@ -105,9 +105,10 @@ class Connection:
     it and read that reply (``TensorPipeAgent.send_wait``). A reader also
     processes each frame it reads (runs the request, completes the reply's
     future); ``busy`` numbers the frame it is processing (``0`` while it
-    reads). A reader busy for a whole watch tick, or one that sends a call
-    of its own (and will likely wait for its reply), hands the socket and
-    the stream to a new reader thread and ends when its frame is done.
+    reads). A reader that the watch finds busy on one frame for too long
+    (:mod:`tensorpipe_backend.watch`), or one that sends a call of its own
+    (and will likely wait for its reply), hands the socket and the stream to
+    a new reader thread and ends when its frame is done.
     Ownership is a dict entry set with ``setdefault``: one C call, so that
     whoever owns the stream can always be told, even after an interrupted
     thread.
@@ -129,7 +130,6 @@ class Connection:
         self.data_wait: DataWait | None = DataWait(sock) if DataWait.supported else None
         self.reader: object = object()
         self.busy = 0
-        self.seen = 0
         self.lane: Lane = Lane()
 
     # Sending.

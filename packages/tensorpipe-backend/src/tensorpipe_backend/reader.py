@@ -1,23 +1,23 @@
-"""Who reads a connection: its reader thread, a caller reading its own reply, and the watch.
+"""Who reads a connection: its reader thread, and a caller reading its own reply.
 
 One thread at a time reads a connection, through its buffer, and processes
 what it reads itself (the agent's ``dispatch``: running the request,
-completing the reply's future). A reader that calls out, or is still busy
-after four watch ticks (20 ms), hands the socket to a new reader thread, so a
-slow or nested call never stalls the connection; requests of one peer reach
-the handler in the order the peer sent them. A thread waiting in
-``send_wait`` (``rpc_sync``) reads its reply itself when the reader thread
-is idle (Linux): see :meth:`Readers.read_for`.
+completing the reply's future). A reader that calls out, or that the watch
+finds still busy after four ticks (20 ms, :mod:`tensorpipe_backend.watch`),
+hands the socket to a new reader thread, so a slow or nested call never
+stalls the connection; requests of one peer reach the handler in the order
+the peer sent them. A thread waiting in ``send_wait`` (``rpc_sync``) reads
+its reply itself when the reader thread is idle (Linux): see
+:meth:`Readers.read_for`.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Final, Protocol
 
 import torch
@@ -26,6 +26,7 @@ from rpc_registry import Message
 
 from .calls import Calls, Reply, remote_failure, unplaceable
 from .connection import Connection
+from .watch import Watch
 from .wire import FrameError, Kind, TensorDescriptor
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -35,12 +36,6 @@ __all__ = ["OWNER", "Dispatch", "Readers", "reading"]
 OWNER: Final = "owner"
 """The key of ``Connection.owner``: the reader token or :class:`_Session` that owns the stream."""
 
-_WATCH_TICK: Final = 0.005
-_WATCH_IDLE_TICKS: Final = 200
-# A reader busy this many ticks in a row (20 ms) hands its socket on. One tick was too eager on a
-# loaded host: readers waiting for the GIL or a core were taken for stuck, and each hand-off made
-# a thread that contended too (8 trainers of a parameter server: 0.74x torch with 1 tick, 1.15x with 4).
-_STUCK_TICKS: Final = 4
 _WAIT_TICK: Final = 1.0  # a reader waiting for data checks this often whether its connection closed
 
 reading: threading.local = threading.local()
@@ -71,7 +66,7 @@ class _Session:
 
 
 class Readers:
-    """The reader threads of one agent's connections, and the watch thread that relieves busy ones.
+    """The reader threads of one agent's connections; a room of ``watch`` (see :mod:`.watch`).
 
     ``me`` names this worker (with ``cuda_count`` devices); ``dispatch``
     processes each frame read, ``drop`` closes a connection that failed,
@@ -89,6 +84,7 @@ class Readers:
         spawn: Callable[..., None],
         submit: Callable[..., None],
         connections: Callable[[], list[Connection]],
+        watch: Watch,
     ) -> None:
         self._me = me
         self._cuda_count = cuda_count
@@ -98,24 +94,11 @@ class Readers:
         self._spawn = spawn
         self._submit = submit
         self._connections = connections
-        self._busy_seq = itertools.count(1)
-        self._watch_idle = False
-        self._watch_wake = threading.Event()
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ran."""
-        return self._closed
+        self._watch = watch
 
     def start(self, conn: Connection) -> None:
         """Give ``conn`` its first reader thread."""
         self._spawn(self.read_loop, f"read-{conn.peer.name}", conn, conn.reader)
-
-    def close(self) -> None:
-        """Stop the watch thread."""
-        self._closed = True
-        self._watch_wake.set()
 
     def read_loop(self, conn: Connection, token: object, holding: bool = False) -> None:
         """Read and process frames while this thread holds ``conn``'s reader token.
@@ -130,6 +113,7 @@ class Readers:
         stream = conn.stream
         owner = conn.owner
         data_wait = conn.data_wait
+        watch = self._watch
         if holding and data_wait is not None:
             data_wait.resume(False)
         wait = not stream.buffered
@@ -160,10 +144,9 @@ class Readers:
                     conn.receive_tensors(descs, self._cuda_count, self._me) if descs else ((), None)
                 )
                 with conn.role_lock:
-                    conn.busy = next(self._busy_seq)
-                if self._watch_idle:
-                    self._watch_idle = False
-                    self._watch_wake.set()
+                    conn.busy = watch.job()
+                if watch.sleeping:
+                    watch.wake()
                 reading.reading = (conn, token)
                 try:
                     self._dispatch(conn, header.kind, header.msg_id, payload, tensors, error)
@@ -270,46 +253,27 @@ class Readers:
                 return
             conn.reader = token = object()
             conn.owner[OWNER] = token  # the busy reader owns the stream: it passes to the new one
-            conn.busy = conn.seen = 0
+            conn.busy = 0
         self._spawn(self.read_loop, f"read-{conn.peer.name}", conn, token, True)
         with conn.send_lock:
             kept = bool(conn.batch)
         if kept:
             self._submit(conn.flush)
 
-    def watch_loop(self) -> None:
-        """Every tick, move each connection whose reader was busy on one frame for
-        ``_STUCK_TICKS`` whole ticks to a new reader."""
-        quiet = 0
-        ticks: dict[Connection, int] = {}  # how many ticks each connection's reader has been busy
-        while not self._closed:
-            time.sleep(_WATCH_TICK)
-            conns = self._connections()
-            stuck = []
-            last, ticks = ticks, {}  # connections that closed drop out
-            for conn in conns:
-                with conn.role_lock:
-                    if conn.busy and conn.busy == conn.seen:
-                        ticks[conn] = last.get(conn, 0) + 1
-                        if ticks[conn] >= _STUCK_TICKS:
-                            stuck.append((conn, conn.reader))
-                    conn.seen = conn.busy
-            for conn, token in stuck:
-                self.hand_off(conn, token)
-            if any(conn.busy for conn in conns):
-                quiet = 0
-                continue
-            quiet += 1
-            if quiet < _WATCH_IDLE_TICKS:
-                continue
-            # Idle: sleep until a reader starts processing (it sets the event when it sees the flag).
-            self._watch_wake.clear()
-            self._watch_idle = True
-            # close() sets closed before the event: checked after clear(), no wake-up is lost.
-            if not self.closed and not any(conn.busy for conn in conns):
-                self._watch_wake.wait()
-            self._watch_idle = False
-            quiet = 0
+    def busy(self) -> list[tuple[Hashable, int, object]]:
+        """Each connection whose reader processes a frame now: the connection, the frame's job
+        number and the reader's token (see :class:`.watch.Room`)."""
+        found: list[tuple[Hashable, int, object]] = []
+        for conn in self._connections():
+            with conn.role_lock:
+                if conn.busy:
+                    found.append((conn, conn.busy, conn.reader))
+        return found
+
+    def relieve(self, holder: Hashable, token: object) -> None:
+        """:meth:`hand_off` for the watch."""
+        assert isinstance(holder, Connection)
+        self.hand_off(holder, token)
 
 
 def _end_session(conn: Connection, session: _Session) -> None:

@@ -1,16 +1,14 @@
 """Incoming requests: handing them to the RPC layer's handler in order, and sending the replies.
 
 Requests of one peer reach the handler in the order the peer sent them.
-When none of the peer's requests is queued, the reader thread calls the
-handler itself (the RPC layer's handler only decodes the request and
-schedules the call); otherwise the request waits in the peer's strand, which
-one worker-pool thread at a time drains. Small replies written by the reader
-of their connection, with more frames at hand, are batched into one write.
+When none of the peer's requests waits, the reader thread calls the handler
+itself; otherwise the request waits in the peer's strand
+(:mod:`tensorpipe_backend.strands`). Small replies written by the reader of
+their connection, with more frames at hand, are batched into one write.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import threading
@@ -26,13 +24,14 @@ from .calls import Calls
 from .connection import SMALL_PAYLOAD, Connection, prepare_tensor
 from .options import DeviceMap
 from .reader import reading
+from .strands import Strands
+from .watch import Watch
 from .wire import FrameError, Kind, small_frame
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 __all__ = ["Requests"]
 
-_STRAND_BATCH: Final = 32
 _BATCH_FRAMES: Final = 256
 
 
@@ -42,20 +41,12 @@ def _failed(exc: Exception) -> Future[Message]:
     return future
 
 
-class _Strand:
-    """The queued requests of one peer; drained by one worker thread at a time."""
-
-    def __init__(self) -> None:
-        self.queue: collections.deque[tuple[Connection, int, Message]] = collections.deque()
-        self.running = False
-
-
 class Requests:
     """The requests this worker received and has not answered yet.
 
     ``me`` names this worker in logs; ``lock`` is the agent's (``calls``
-    shares it); ``pool`` runs the strands; ``reverse_map`` gives, per peer,
-    where a reply's tensors land there.
+    shares it); ``pool`` runs the strands, which ``watch`` watches;
+    ``reverse_map`` gives, per peer, where a reply's tensors land there.
     """
 
     def __init__(
@@ -65,24 +56,24 @@ class Requests:
         calls: Calls,
         pool: ThreadPoolExecutor,
         reverse_map: Callable[[str], DeviceMap],
+        watch: Watch,
     ) -> None:
         self._me = me
         self._lock = lock
         self._calls = calls
         self._pool = pool
         self._reverse_map = reverse_map
-        self._strands: dict[str, _Strand] = {}
+        self._strands: Strands[tuple[Connection, int, Message]] = Strands(
+            lock, self._run_waiting, pool, watch
+        )
+        watch.add(self._strands)
         self._handler: RequestHandler | None = None
 
     def start(self, handler: RequestHandler) -> None:
         """Begin delivering incoming requests (queued ones first) to ``handler``."""
         with self._lock:
             self._handler = handler
-            ready = [s for s in self._strands.values() if s.queue and not s.running]
-            for strand in ready:
-                strand.running = True
-        for strand in ready:
-            self._pool.submit(self._drain, strand)
+        self._strands.open()
 
     def submit(self, fn: Callable[..., None], *args: object) -> None:
         """Run ``fn(*args)`` on the worker pool, or here once the pool is shut down."""
@@ -95,20 +86,15 @@ class Requests:
         """Hand a request to the handler, in the order its peer sent it (see the module docstring)."""
         with self._lock:
             self._calls.in_flight += 1
-            strand = self._strands.get(conn.peer.name)
-            if strand is None:
-                strand = self._strands[conn.peer.name] = _Strand()
+        if self._strands.enqueue(conn.peer.name, (conn, msg_id, message)):
             handler = self._handler
-            if strand.running or strand.queue or handler is None:
-                strand.queue.append((conn, msg_id, message))
-                if strand.running or handler is None:
-                    return
-                strand.running = True
-                handler = None
-        if handler is None:
-            self.submit(self._drain, strand)
-        else:
+            assert handler is not None  # the strands open once it is set
             self._handle(handler, conn, msg_id, message)
+
+    def _run_waiting(self, request: tuple[Connection, int, Message]) -> None:
+        handler = self._handler
+        assert handler is not None  # the strands open once it is set
+        self._handle(handler, *request)
 
     def _handle(self, handler: RequestHandler, conn: Connection, msg_id: int, message: Message) -> None:
         try:
@@ -119,19 +105,6 @@ class Requests:
             self._send_reply(conn, msg_id, reply)
         else:
             reply.add_done_callback(functools.partial(self._send_reply, conn, msg_id))
-
-    def _drain(self, strand: _Strand) -> None:
-        for _ in range(_STRAND_BATCH):
-            with self._lock:
-                if not strand.queue:
-                    strand.running = False
-                    return
-                conn, msg_id, message = strand.queue.popleft()
-                handler = self._handler
-            assert handler is not None
-            self._handle(handler, conn, msg_id, message)
-        # Let other peers' requests have a worker before continuing with this one.
-        self.submit(self._drain, strand)
 
     def _send_reply(self, conn: Connection, msg_id: int, reply: Future[Message]) -> None:
         try:
