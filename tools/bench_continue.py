@@ -139,8 +139,13 @@ _TORCHRUN_SCRIPT = textwrap.dedent(
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     out = sys.argv[1]
-    dist.init_process_group("gloo")
-    rank, restarted = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"]) > 0
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    # Keys of its own per attempt: in torch 2.13 the agent's store keeps the last attempt's.
+    store = dist.PrefixStore(f"attempt{{attempt}}/", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False))
+    dist.init_process_group(
+        "gloo", store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    rank, restarted = dist.get_rank(), attempt > 0
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(
         torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
@@ -172,13 +177,13 @@ def _torchrun_restart() -> float:
         script.write_text(_TORCHRUN_SCRIPT.format(steps=_STEPS, lost_at=_LOST_AT))
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--monitor-interval", "0.1",
+            "--standalone", "--monitor-interval", "0.1",
             str(script), out,
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="WARNING")
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         if done.returncode != 0 or not (Path(out) / "first_step").exists():
-            print(f"torchrun --max-restarts 1 failed ({done.returncode}):\n{done.stderr[-2000:]}")
+            print(f"torchrun --max-restarts 1 failed ({done.returncode}):\n{done.stderr[:6000]}")
             return _NONE
         lost = float((Path(out) / "lost_at").read_text())
         return float((Path(out) / "first_step").read_text()) - lost

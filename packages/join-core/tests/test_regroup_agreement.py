@@ -1,0 +1,83 @@
+"""The survivors' agreement in the store: one record, adopted by every
+survivor; a rank left out is fenced; what a stranger writes there is checked,
+never trusted."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from join_core import RankLostError, RankRemovedError
+from join_core.regroup import agree
+
+HashStore: Any = dist.HashStore  # type: ignore[attr-defined]
+SILENT_AFTER = timedelta(seconds=1)
+
+
+def _agree(store: Any, me: int, expected: list[int], quiet: dict[int, float]) -> Any:
+    return agree(store, "p/", me, expected, 7, 3, 2, quiet.get, SILENT_AFTER, 0.001, timedelta(seconds=2))
+
+
+def test_the_first_survivor_to_see_every_other_arrive_writes_the_record_all_adopt() -> None:
+    store = HashStore()
+    store.set("p/at/1", "9 4 3")  # rank 1 arrived first: position 9, iteration 4, 3 heartbeats
+    agreement = _agree(store, 0, [0, 1], {})
+    assert agreement.members == (0, 1)
+    assert agreement.positions == (7, 9)
+    assert agreement.iterations == (3, 4)
+    assert agreement.heartbeats == (2, 3)
+    assert _agree(store, 1, [0, 1], {}) == agreement  # rank 1 adopts the same record
+
+
+def test_a_survivor_that_fell_silent_during_the_agreement_is_left_out() -> None:
+    store = HashStore()
+    agreement = _agree(store, 0, [0, 2], {2: 5.0})  # rank 2 never arrives and beats no more
+    assert agreement.members == (0,)
+
+
+def test_a_survivor_still_beating_is_waited_for_then_named() -> None:
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[2\] still beat but did not reach"):
+        _agree(HashStore(), 0, [0, 2], {2: 0.1})
+
+
+def test_a_rank_the_record_leaves_out_is_fenced() -> None:
+    store = HashStore()
+    store.set(
+        "p/record", json.dumps({"members": [1], "positions": [4], "iterations": [6], "heartbeats": [5]})
+    )
+    with pytest.raises(RankRemovedError) as removed:
+        _agree(store, 0, [0, 1], {})
+    assert isinstance(removed.value, RankLostError)
+    assert removed.value.iteration == 6
+    assert "this rank was removed at iteration 6" in str(removed.value)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        b"{not json",
+        json.dumps(
+            {"members": [0, 1], "positions": [1], "iterations": [1, 1], "heartbeats": [1, 1]}
+        ).encode(),
+        json.dumps(
+            {"members": [0, 5], "positions": [1, 1], "iterations": [1, 1], "heartbeats": [1, 1]}
+        ).encode(),
+        json.dumps(
+            {"members": [0, 0], "positions": [1, 1], "iterations": [1, 1], "heartbeats": [1, 1]}
+        ).encode(),
+        json.dumps(
+            {"members": ["__import__('os')"], "positions": [1], "iterations": [1], "heartbeats": [1]}
+        ).encode(),
+        b"[" * 2_000_000,
+    ],
+    ids=["not-json", "lengths-differ", "a-stranger", "twice", "not-a-number", "too-large"],
+)
+def test_a_malformed_record_is_refused(record: bytes) -> None:
+    store = HashStore()
+    store.set("p/record", record)
+    with pytest.raises(ValueError, match="agreement"):
+        _agree(store, 0, [0, 1], {})
