@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 from datetime import timedelta
 
 import pytest
@@ -17,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_join import DistributedDataParallel, FSDPJoinable, UnevenDistributedSampler, ZeroRedundancyOptimizer
-from join_core import Join, RankRemovedError
+from join_core import Join, RankRemovedError, spare_connections
 from join_core.testing import RanksFailedError, run_ranks
 
 LIVENESS = timedelta(seconds=2)
@@ -288,4 +289,40 @@ def _count_samples(rank: int, world_size: int, shuffle: bool) -> None:
 def test_every_sample_of_the_epoch_is_trained_on_once_when_a_rank_is_lost(shuffle: bool) -> None:
     with pytest.raises(RanksFailedError) as failed:
         run_ranks(_count_samples, 3, shuffle, timeout=90)
+    assert list(failed.value.failures) == [2], str(failed.value)
+
+
+def _spared_connection_survives(rank: int, world_size: int) -> None:
+    """Ranks 0 and 1 keep a connection of their own (as an RPC agent does), to
+    a listener rank 0 spares; rank 2 is killed. The survivors' connection works after."""
+    listener = socket.create_server(("127.0.0.1", 0)) if rank == 0 else None
+    port = torch.tensor([listener.getsockname()[1] if listener is not None else 0])
+    dist.broadcast(port, src=0)
+    if listener is not None:
+        spare_connections(int(port))
+    conn = socket.create_connection(("127.0.0.1", int(port))) if rank == 1 else None
+    accepted = listener.accept()[0] if listener is not None else None
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model], on_rank_lost="continue", liveness_timeout=LIVENESS) as join:
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            loss = loss_fn(model, *batch(rank, step))
+            if rank == 2 and step == LOST_AT:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            optimizer.step()
+    assert list(join.lost_ranks) == [2]
+    if conn is not None:
+        conn.sendall(b"still here")
+        conn.close()
+    if accepted is not None:
+        accepted.settimeout(10)
+        assert accepted.recv(64) == b"still here"
+        accepted.close()
+
+
+def test_connections_a_library_spares_outlive_the_loss() -> None:
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_spared_connection_survives, 3, timeout=90)
     assert list(failed.value.failures) == [2], str(failed.value)

@@ -10,7 +10,7 @@ from join_core.exit_grace import install_exit_grace
 from join_core.hook import JoinHook
 from join_core.join import Join, JoinAbortedError
 from join_core.joinable import Joinable
-from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, RankLostError
+from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, RankLostError, spare_connections
 from join_core.recorder import CollectiveRecord, CollectiveRecorder, record_collectives, recorder
 from join_core.regroup import RankRemovedError, Recovery
 from join_core.shadow import CollectiveMismatchError, ShadowCollectives
@@ -38,5 +38,6 @@ __all__ = [
     "install_exit_grace",
     "record_collectives",
     "recorder",
+    "spare_connections",
     "watch_collectives",
 ]

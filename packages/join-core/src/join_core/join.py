@@ -347,6 +347,7 @@ class Join:
             raise failure
         if not isinstance(verdict, RankLostError) or self._on_rank_lost != "continue":
             raise verdict from failure
+        watch.release_group()  # survivors blocked on this one in the old group fail now, and join in
         newly = {self._members[rank]: seen for rank, seen in verdict.ranks.items()}
         lost = {**self._lost, **newly}
         expected = [rank for rank in self._members if rank not in lost]

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     # The class get_group_store() returns; torch.distributed does not re-export it to type checkers.
     from torch._C._distributed_c10d import Store
 
-__all__ = ["DEFAULT_LIVENESS_TIMEOUT", "LivenessWatchdog", "RankLostError"]
+__all__ = ["DEFAULT_LIVENESS_TIMEOUT", "LivenessWatchdog", "RankLostError", "spare_connections"]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -80,6 +80,25 @@ _Endpoint = tuple[str, int]
 # torch's stubs do not re-export the store classes it documents publicly.
 _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
+
+# Local listening ports whose connections the watch never shuts down (an RPC agent's).
+_spared_ports: set[int] = set()
+
+
+def spare_connections(port: int) -> None:
+    """Keep the liveness watch's hands off the connections of the listener on
+    local ``port``: after a loss it shuts down connections to stop the waits
+    of the process group, and must not take an RPC agent's with them.
+
+    For libraries with connections of their own between the ranks (an RPC
+    agent calls it with its listening port). A connection is spared when
+    either end's local port is spared on its own process, so each process
+    spares its own listener.
+    """
+    if not 0 < port < 65536:
+        raise ValueError(f"spare_connections(port={port}): not a TCP port")
+    _spared_ports.add(port)
+
 
 _joins_lock = threading.Lock()
 # group name -> Joins started on it by this process; every rank starts the
@@ -312,6 +331,14 @@ class LivenessWatchdog:
         elif store.get(self._key(rank))[:_BEAT_BYTES] != _LEFT.encode():
             seen = f"its process ended: its connection closed ({match[0]})"
             self._judge({rank: seen}, endpoints[rank], self._store_port, store)
+
+    def release_group(self) -> None:
+        """Shut down this process's connections to every rank of the group
+        (but the store's and spared ones), at once: the survivors still
+        waiting on this rank in the group's collectives stop waiting. The
+        group cannot be used any more."""
+        endpoints = self._published_endpoints(self.store())
+        _shut_down(set().union(*endpoints.values()), self._store_port)
 
     def _published_endpoints(self, store: Store) -> dict[int, set[_Endpoint]]:
         """The other ranks' published connections, read now (the thread may not have yet)."""
@@ -636,7 +663,7 @@ def _connections(store_port: int | None) -> list[tuple[socket.socket, _Endpoint,
         except (OSError, ValueError):
             sock.close()  # a listener, or gone
             continue
-        if store_port is not None and store_port in (ends[0][1], ends[1][1]):
+        if (store_port is not None and store_port in (ends[0][1], ends[1][1])) or ends[0][1] in _spared_ports:
             sock.close()
             continue
         found.append((sock, *ends))
@@ -652,6 +679,8 @@ def _own_endpoints(store_port: int | None) -> tuple[list[_Endpoint], bool]:
     for sock in _tcp_sockets():
         try:
             local = sock.getsockname()
+            if local[1] in _spared_ports:
+                continue  # an RPC agent's listener or connection: never shut down
             try:
                 peer = sock.getpeername()
             except OSError:
