@@ -216,15 +216,27 @@ def test_a_script_run_without_torchruns_environment_says_what_to_set_in_one_para
 def test_survivors_of_a_killed_rank_finish_the_epoch_exactly(
     device: str, backend: str, tmp_path: Path
 ) -> None:
+    _survivors_run(device, backend, tmp_path, [])
+
+
+def test_survivors_call_each_other_by_rpc_after_a_loss(tmp_path: Path) -> None:
+    _survivors_run("cpu", "gloo", tmp_path, ["--rpc"])
+
+
+def _survivors_run(device: str, backend: str, tmp_path: Path, extra: list[str]) -> None:
     nproc = _ranks(backend, 3)
     lost = nproc - 2
-    exits = launch(
-        HERE / "train_survivors.py",
-        nproc,
-        ["--device", device, "--backend", backend, "--lose-rank", f"{lost}@4", "--result-dir", str(tmp_path)],
-        timeout=120.0,
-        grace=120.0,
-    )
+    args = [
+        "--device",
+        device,
+        "--backend",
+        backend,
+        "--lose-rank",
+        f"{lost}@4",
+        "--result-dir",
+        str(tmp_path),
+    ]
+    exits = launch(HERE / "train_survivors.py", nproc, args + extra, timeout=120.0, grace=120.0)
     wrong = [e for e in exits if (e.returncode != -9) == (e.rank == lost)]
     assert not wrong, "\n".join(f"--- rank {e.rank} (exit {e.returncode}) ---\n{e.output}" for e in wrong)
     survivors = [rank for rank in range(nproc) if rank != lost]

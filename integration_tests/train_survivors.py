@@ -26,8 +26,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 from training_common import flat, make_batch, make_model, make_parser, rank_from_env, write_result
 
+import rpc_registry
 from ddp_join import DistributedDataParallel, UnevenDistributedSampler, ZeroRedundancyOptimizer
 from join_core import Join
+from tensorpipe_backend import TensorPipeRpcBackendOptions
 
 LR = 0.02
 
@@ -53,10 +55,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lose-rank", type=lose_rank, default=None, help="RANK@ITERATION, e.g. 1@5")
     parser.add_argument("--batches", type=int, default=30, help="batches in the epoch, over all ranks")
     parser.add_argument("--progress", action="store_true", help="print progress as JSON lines (for the demo)")
+    parser.add_argument(
+        "--rpc", action="store_true", help="also start RPC, and check survivors' calls to each other after"
+    )
     args = parser.parse_args(argv)
     me = rank_from_env(args.device, args.backend)
     lost_rank, lost_at = args.lose_rank if args.lose_rank is not None else (-1, -1)
     dist.init_process_group(me.backend, init_method="env://", timeout=timedelta(seconds=120))
+    if args.rpc:
+        options = TensorPipeRpcBackendOptions(init_method="env://", rpc_timeout=20.0)
+        rpc_registry.init_rpc(me.name, rank=me.rank, world_size=me.world_size, rpc_backend_options=options)
+        for peer in range(me.world_size):  # connected to every worker before the loss
+            rpc_registry.rpc_sync(f"worker{peer}", torch.add, args=(torch.ones(1), 0))
     batch_ids = TensorDataset(torch.arange(args.batches))
     sampler = UnevenDistributedSampler(batch_ids, shuffle=True, seed=3)
     loader: DataLoader[tuple[torch.Tensor, ...]] = DataLoader(batch_ids, batch_size=1, sampler=sampler)
@@ -85,6 +95,13 @@ def main(argv: list[str]) -> int:
             report(args.progress, me.rank, batch=len(batches), loss=losses[-1])
         report(args.progress, me.rank, joined=len(batches))
     seconds = time.monotonic() - start
+    if args.rpc:
+        survivors = [rank for rank in range(dist.get_world_size()) if rank not in join.lost_ranks]
+        peer = survivors[(survivors.index(me.rank) + 1) % len(survivors)]
+        answer = rpc_registry.rpc_sync(f"worker{peer}", torch.add, args=(torch.ones(2), me.rank))
+        assert answer.tolist() == [me.rank + 1.0] * 2, answer
+        dist.barrier(group=join.process_group)  # every survivor's call answered before any leaves
+        rpc_registry.shutdown(graceful=False)
     if me.rank == 0 or (lost_rank == 0 and me.rank == 1):
         print(f"rank {me.rank}: lost {join.lost_ranks}", flush=True)
     write_result(

@@ -34,6 +34,7 @@ import torch
 from torch.distributed.distributed_c10d import Store
 from torch.futures import Future
 
+from join_core import spare_connections
 from rpc_registry import Message, RequestHandler, WorkerInfo
 from rpc_registry.errors import WorkerNameError
 
@@ -177,6 +178,9 @@ class TensorPipeAgent:
             host = listen_host(options.init_method)
             self._listener = socket.create_server((host, 0))
             self._listener.settimeout(0.2)
+            # A Join that goes on without a lost rank shuts the old process group's
+            # connections down: not these, which the survivors' calls still need.
+            spare_connections(self._listener.getsockname()[1])
             shm_host = host_identity()
             self._local_listener = local_listener() if shm_host else None
             record = WorkerRecord(
