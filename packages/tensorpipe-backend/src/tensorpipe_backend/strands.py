@@ -48,7 +48,7 @@ class Strand(Generic[T]):
     def __init__(self) -> None:
         self.queue: collections.deque[T] = collections.deque()
         self.runner: object | None = None
-        self.busy = 0
+        self.busy: int = 0
 
 
 class _Running(Generic[T]):
