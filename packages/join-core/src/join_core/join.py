@@ -37,6 +37,20 @@ _ON_RANK_LOST: Final = ("raise", "continue")
 #: How often a survivor looks for the others' arrival in the agreement.
 _AGREEMENT_POLL_S: Final = 0.02
 
+#: Why the survivors cannot go on when the rank serving the store is lost, and the fix.
+_STORE_HOST_FIX: Final = (
+    "launch with `python -m join_core.launch` (torchrun's arguments), whose agent serves the store "
+    "(TORCHELASTIC_USE_AGENT_STORE=True), not with MASTER_ADDR/MASTER_PORT pointing at rank {rank}"
+)
+_STORE_HOST_WARNING: Final = (
+    "Join(on_rank_lost='continue'): this process (rank {rank}) serves the process group's store, so if it "
+    "is lost the store is lost with it and no rank can go on; " + _STORE_HOST_FIX
+)
+_STORE_HOST_LOST: Final = (
+    "rank {rank}'s process served the process group's store, lost with it, so the survivors cannot agree "
+    "on going on; " + _STORE_HOST_FIX
+)
+
 _ACTIVE_SIGNAL: Final = 1.0
 _JOINED_SIGNAL: Final = 0.0
 
@@ -113,7 +127,9 @@ class Join:
             lost ranks' part in it, or raises :class:`RankLostError` saying
             why it cannot be. A rank that was declared lost and comes back
             raises :class:`join_core.RankRemovedError`. Needs the liveness
-            watch, and joinables that support it (DistributedDataParallel).
+            watch, joinables that support it (DistributedDataParallel), and
+            a store that outlives every rank: launch with
+            ``python -m join_core.launch`` (:mod:`join_core.launch`).
         kwargs: passed to every joinable's ``join_hook``.
 
     Example::
@@ -222,6 +238,8 @@ class Join:
             if self._liveness_timeout is not None and self._world_size > 1:
                 self._liveness = self._start_watch(self._group)
                 self._regroup_prefix = f"{self._liveness.prefix}regroup/"
+                if self._on_rank_lost == "continue" and self._liveness.hosts_store:
+                    warnings.warn(_STORE_HOST_WARNING.format(rank=self._rank), RuntimeWarning, stacklevel=2)
         except BaseException:
             self._leave()
             raise
@@ -337,6 +355,11 @@ class Join:
         if self._on_rank_lost == "continue":
             watch.judge_closed_connection(failure)  # a process that ended is lost at once
         verdict = failure if isinstance(failure, RankLostError) else watch.wait_for_failure()
+        if self._on_rank_lost == "continue" and isinstance(verdict, RankLostError):
+            store_host = watch.lost_store_host()
+            if store_host is not None:
+                detail = _STORE_HOST_LOST.format(rank=self._members[store_host])
+                raise RankLostError(verdict.ranks, detail) from failure
         if self._on_rank_lost == "continue" and watch.rank in watch.published_verdict():
             me = self._members[watch.rank]
             lost_key = _lost_key(set(self._lost) | {me})

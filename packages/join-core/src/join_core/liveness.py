@@ -199,6 +199,7 @@ class LivenessWatchdog:
         self._store_port: int | None = None
         self._store_lost = False  # set by the thread: then it writes nothing more
         self._hosts_store = False  # this process serves the store: it outlives the others' reading
+        self._store_hosts: set[int] = set()  # other ranks whose process serves the store (the thread's)
         self._departed: set[int] = set()  # ranks that left their Join (set by the thread)
         self._beats_seen: dict[int, int] = {}  # rank -> how often its counter was seen moving (the thread's)
         self._moved: dict[int, float] = {}  # rank -> when its counter last moved (the thread's)
@@ -262,6 +263,17 @@ class LivenessWatchdog:
         return self.lost()
 
     @property
+    def hosts_store(self) -> bool:
+        """Whether this rank's process serves the group's store (known once started): as
+        when a script is launched by hand with ``MASTER_ADDR`` and rank 0 hosts the TCPStore."""
+        return self._hosts_store
+
+    def lost_store_host(self) -> int | None:
+        """The lost rank whose process served the group's store, if one is lost: the
+        store is gone with it, and no rank can agree on anything through it any more."""
+        return next((rank for rank in sorted(self.lost()) if rank in self._store_hosts), None)
+
+    @property
     def prefix(self) -> str:
         """The store prefix of this watch's keys."""
         return self._prefix
@@ -318,6 +330,14 @@ class LivenessWatchdog:
             named = {(host, port), (host, socket.ntohs(port) if port < 65536 else port)}
         except (ValueError, OverflowError):
             return
+        # The process that served the store took it along: judged from what the thread read
+        # before, as a new client of the store would wait for it until the group's timeout.
+        known = dict(self._endpoints)
+        for host_rank in set(self._store_hosts):
+            if named & known.get(host_rank, set()):
+                seen = f"its process ended: its connection closed ({match[0]}); it served the store"
+                self._judge({host_rank: seen}, known[host_rank], self._store_port, None)
+                return
         store = self.store()
         endpoints = self._published_endpoints(store)
         ranks = [rank for rank, ends in endpoints.items() if named & ends]
@@ -453,7 +473,7 @@ class LivenessWatchdog:
     def _watch(self, store: Store, store_port: int | None) -> None:
         others = [rank for rank in range(self._world_size) if rank != self._rank]
         endpoints = self._endpoints
-        store_hosts: set[int] = set()  # ranks whose process serves the store
+        store_hosts = self._store_hosts
         last: dict[int, bytes] = {}
         moved = self._moved  # rank -> when its counter last moved
         departed: set[int] = set()

@@ -16,6 +16,10 @@ waits longer than ``timeout``: ranks still running then are killed.
 :func:`run_script` runs a whole script per rank instead, as
 ``torchrun --nproc-per-node N`` would, and tells how each interpreter ended
 (its exit code included: what happens at interpreter exit is seen too).
+
+:func:`run_launch` runs a script under ``python -m join_core.launch`` (the
+survivor agent) on 127.0.0.1, and :func:`start_launch` starts one such agent
+of a job on several "hosts"; neither leaves a process behind.
 """
 
 from __future__ import annotations
@@ -25,16 +29,19 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.context import BaseContext
-from typing import Any, Final, Generic, TypeVar
+from types import TracebackType
+from typing import IO, Any, Final, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -42,7 +49,17 @@ import torch.distributed as dist
 # torch's stubs do not re-export the store class it documents publicly.
 TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 
-__all__ = ["RanksFailedError", "ScriptExit", "run_ranks", "run_script"]
+__all__ = [
+    "LaunchExit",
+    "LaunchedAgent",
+    "RanksFailedError",
+    "ScriptExit",
+    "launch_argv",
+    "run_launch",
+    "run_ranks",
+    "run_script",
+    "start_launch",
+]
 
 T = TypeVar("T")
 
@@ -264,3 +281,167 @@ def run_script(
             log.seek(0)
             exits.append(ScriptExit(rank, proc.returncode, log.read() + notes[rank]))
     return exits
+
+
+#: Seconds an agent gets to stop its workers after SIGTERM before it is killed.
+AGENT_STOP_GRACE_S: Final = 15.0
+
+
+@dataclass(frozen=True)
+class LaunchExit:
+    """How one agent of :func:`start_launch` or :func:`run_launch` ended."""
+
+    returncode: int  # negative: killed by that signal
+    output: str  # the agent's and its workers' stdout and stderr, interleaved
+    worker_pids: tuple[int, ...]  # every process seen under the agent
+    leaked: tuple[int, ...]  # those still running once the agent ended (killed then)
+
+
+class LaunchedAgent:
+    """One ``python -m join_core.launch`` agent and its workers, started by
+    :func:`start_launch`. Leaving the context (or :meth:`wait`) stops whatever
+    still runs: the agent with SIGTERM (it stops its workers), then SIGKILL,
+    then any process seen under it that outlived it."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        # A file, not a pipe: a chatty job never blocks on a reader. Closed by wait().
+        self._log: IO[str] = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self._proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        self._seen: dict[int, str] = {}  # pid -> its start time, to tell a reused pid apart
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="launch-watch", daemon=True)
+        self._watcher.start()
+        self._exit: LaunchExit | None = None
+
+    @property
+    def pid(self) -> int:
+        """The agent's process id."""
+        return self._proc.pid
+
+    def _watch(self) -> None:
+        while not self._stop.is_set() and self._proc.poll() is None:
+            for pid in _descendants(self._proc.pid):
+                if pid not in self._seen:
+                    start = _start_time(pid)
+                    if start is not None:
+                        self._seen[pid] = start
+            self._stop.wait(0.05)
+
+    def wait(self, timeout: float) -> LaunchExit:
+        """Wait up to ``timeout`` seconds for the agent to end (then stop it), and tell how it ended."""
+        if self._exit is not None:
+            return self._exit
+        note = ""
+        try:
+            self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            note = f"\n[stopped: the agent still ran after {timeout:.0f} s]"
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=AGENT_STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._stop.set()
+        self._watcher.join(timeout=5.0)
+        leaked = []
+        for pid, start in sorted(self._seen.items()):
+            if _start_time(pid) == start:
+                leaked.append(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self._log.seek(0)
+        output = self._log.read() + note
+        self._log.close()
+        self._exit = LaunchExit(self._proc.returncode, output, tuple(sorted(self._seen)), tuple(leaked))
+        return self._exit
+
+    def __enter__(self) -> LaunchedAgent:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.wait(timeout=0.0)
+
+
+def launch_argv(
+    script: str | os.PathLike[str], nproc: int, *args: str, launch_args: Sequence[str] = ()
+) -> list[str]:
+    """The command line of one agent on 127.0.0.1: ``python -m join_core.launch
+    --nproc-per-node N --local-addr 127.0.0.1 [launch_args] script *args``; without an
+    ``--rdzv-endpoint`` in ``launch_args``, a c10d rendezvous on a port the OS picks."""
+    rendezvous = [] if any(a.startswith("--rdzv") for a in launch_args) else [
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"
+    ]  # fmt: skip
+    return [
+        sys.executable, "-m", "join_core.launch", "--nproc-per-node", str(nproc), "--local-addr", "127.0.0.1",
+        *rendezvous, *launch_args, os.fspath(script), *args,
+    ]  # fmt: skip
+
+
+def start_launch(
+    script: str | os.PathLike[str],
+    nproc: int,
+    *args: str,
+    launch_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> LaunchedAgent:
+    """Start ``python -m join_core.launch`` running ``script`` on ``nproc`` workers
+    (see :func:`launch_argv`); wait for it with :meth:`LaunchedAgent.wait`.
+
+    Example, two agents of one job, as on two hosts::
+
+        store = TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+        nodes = ["--nnodes", "2", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-conf", "is_host=0"]
+        with start_launch("train.py", 2, launch_args=nodes) as a, start_launch("train.py", 2, launch_args=nodes) as b:
+            exits = [a.wait(60), b.wait(60)]
+    """
+    merged = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}))
+    return LaunchedAgent(launch_argv(script, nproc, *args, launch_args=launch_args), merged)
+
+
+def run_launch(
+    script: str | os.PathLike[str],
+    nproc: int,
+    *args: str,
+    launch_args: Sequence[str] = (),
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> LaunchExit:
+    """Run ``script`` on ``nproc`` workers under ``python -m join_core.launch`` on
+    this host and wait (at most ``timeout`` seconds, then stop everything)."""
+    with start_launch(script, nproc, *args, launch_args=launch_args, env=env) as agent:
+        return agent.wait(timeout)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (Linux: /proc; elsewhere none)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(child) for child in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _start_time(pid: int) -> str | None:
+    """When ``pid`` started (in clock ticks since boot), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return fields[19] if len(fields) > 19 else None
