@@ -76,6 +76,43 @@ def param_grad(name: str, context_id: int) -> torch.Tensor | None:
     return dist_autograd.get_gradients(context_id).get(param)
 
 
+# What the hooks on accumulate-grad nodes saw, by parameter name; the nodes, kept alive with their hooks.
+NodeHookCall = tuple[str, tuple[torch.Tensor | None, ...], tuple[torch.Tensor | None, ...]]
+_NODE_HOOK_CALLS: dict[str, list[NodeHookCall]] = {}
+_HOOKED_NODES: dict[str, torch.autograd.graph.Node] = {}
+
+
+def accumulate_node(leaf: torch.Tensor) -> torch.autograd.graph.Node:
+    """The accumulate-grad node of ``leaf`` (through public API: the next node of a view)."""
+    view = leaf.view_as(leaf)
+    assert view.grad_fn is not None
+    node, _ = view.grad_fn.next_functions[0]
+    assert node is not None
+    return node
+
+
+def hook_param_node(name: str, scale: float) -> None:
+    """A pre hook that scales the named parameter's gradient and a post hook, both recording their arguments."""
+    node = _HOOKED_NODES[name] = accumulate_node(_PARAMS[name])
+    calls = _NODE_HOOK_CALLS.setdefault(name, [])
+
+    def scale_grad(grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+        calls.append(("pre", grads, ()))
+        return tuple(None if grad is None else grad * scale for grad in grads)
+
+    def record(
+        grad_inputs: tuple[torch.Tensor | None, ...], grad_outputs: tuple[torch.Tensor | None, ...]
+    ) -> None:
+        calls.append(("post", grad_inputs, grad_outputs))
+
+    node.register_prehook(scale_grad)
+    node.register_hook(record)
+
+
+def node_hook_calls(name: str) -> list[NodeHookCall]:
+    return _NODE_HOOK_CALLS.get(name, [])
+
+
 def context_count() -> int:
     return _current().grad.count()
 

@@ -13,14 +13,18 @@ from typing import Any
 import pytest
 import torch
 from dist_autograd_cases import (
+    NodeHookCall,
     Stage,
+    accumulate_node,
     chain,
     chain_here,
     context_count,
     fails_in_backward,
+    hook_param_node,
     make_param,
     module_state,
     mul_add,
+    node_hook_calls,
     param_grad,
     raise_two_argument_error,
     returns_no_future,
@@ -410,6 +414,90 @@ def test_running_backward_names_the_context_only_inside_its_passes() -> None:
     # One pass here for the loss, one for the gradient coming back from w1.
     assert seen == [None, context_id, context_id]
     assert dist_autograd.running_backward() is None
+
+
+def _post_hooks_of_torchs_test(leaf: torch.Tensor, calls: list[NodeHookCall]) -> torch.Tensor:
+    """torch's test_post_hooks: three post hooks on ``leaf``'s accumulate-grad node (its two
+    edges of ``leaf + leaf``) worth 5 calls, and a pre hook; every call is recorded."""
+
+    def post(
+        weight: int,
+    ) -> Callable[[tuple[torch.Tensor | None, ...], tuple[torch.Tensor | None, ...]], Any]:
+        def hook(
+            grad_inputs: tuple[torch.Tensor | None, ...], grad_outputs: tuple[torch.Tensor | None, ...]
+        ) -> Any:
+            calls.extend([("post", grad_inputs, grad_outputs)] * weight)
+            return grad_inputs
+
+        return hook
+
+    def pre(grads: tuple[torch.Tensor | None, ...]) -> None:
+        calls.append(("pre", grads, ()))
+
+    a = leaf + leaf
+    assert a.grad_fn is not None
+    first, second = (node for node, _ in a.grad_fn.next_functions)
+    assert first is not None and second is not None
+    first.register_hook(post(1))
+    first.register_hook(post(2))
+    second.register_hook(post(2))
+    second.register_prehook(pre)
+    return (a * torch.arange(12.0).view(3, 4)).sum()
+
+
+def test_hooks_of_accumulate_grad_nodes_run_with_the_arguments_of_torchs_engine() -> None:
+    # What torch's local engine hands the same hooks is what torch's distributed engine hands them.
+    local = torch.zeros(3, 4, requires_grad=True)
+    want: list[NodeHookCall] = []
+    _post_hooks_of_torchs_test(local, want).backward()
+    t = torch.zeros(3, 4, requires_grad=True)
+    got: list[NodeHookCall] = []
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [_post_hooks_of_torchs_test(t, got)])
+        grads = dist_autograd.get_gradients(context_id)
+    assert [kind for kind, _, _ in got] == ["pre"] + ["post"] * 5
+    assert len(got) == len(want)
+    for (kind, first, second), (want_kind, want_first, want_second) in zip(got, want):
+        assert kind == want_kind
+        torch.testing.assert_close(first, want_first, rtol=0, atol=0)
+        torch.testing.assert_close(second, want_second, rtol=0, atol=0)
+    assert list(grads) == [t]
+    torch.testing.assert_close(grads[t], torch.arange(12.0).view(3, 4) * 2)
+    assert t.grad is None
+
+
+def test_node_hooks_of_a_leaf_on_another_worker_run_there_and_a_pre_hook_replaces_its_gradient() -> None:
+    param_rref = rpc_sync("w2", make_param, args=("hooked", [0.5, -1.0, 2.0, 3.0]))
+    rpc_sync("w2", hook_param_node, args=("hooked", 3.0))
+    p = torch.tensor([0.5, -1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    (x,) = _leaves(4, 1)
+    (want,) = _local_grads((x * p).pow(2).sum(), [p])
+    with dist_autograd.context() as context_id:
+        loss = rpc_sync("w2", scale_by_param, args=("hooked", x)).pow(2).sum()
+        dist_autograd.backward(context_id, [loss])
+        remote_grad = rpc_sync("w2", param_grad, args=("hooked", context_id))
+    calls = rpc_sync("w2", node_hook_calls, args=("hooked",))
+    assert [(kind, len(first), len(second)) for kind, first, second in calls] == [
+        ("pre", 1, 0),
+        ("post", 0, 1),
+    ]
+    torch.testing.assert_close(calls[0][1][0], want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(calls[1][2][0], want * 3, rtol=1e-6, atol=0)
+    torch.testing.assert_close(remote_grad, want * 3, rtol=1e-6, atol=0)
+    del param_rref
+
+
+def test_a_node_hook_that_returns_a_wrong_number_of_gradients_fails_backward_as_in_torch() -> None:
+    t = torch.zeros(3, requires_grad=True)
+    loss = (t * 2).sum()
+    accumulate_node(t).register_prehook(lambda grads: (grads[0], grads[0]))
+    with pytest.raises(RuntimeError, match="has returned an incorrect number of values"):
+        loss.backward(retain_graph=True)
+    with (
+        dist_autograd.context() as context_id,
+        pytest.raises(RuntimeError, match="incorrect number of values"),
+    ):
+        dist_autograd.backward(context_id, [loss])
 
 
 def _training_of(module: RRef[torch.nn.Module]) -> bool:

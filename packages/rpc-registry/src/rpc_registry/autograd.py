@@ -23,11 +23,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch.futures import Future
+from torch.utils.hooks import RemovableHandle
 
 from . import api
 from .functions import async_execution
@@ -42,6 +44,9 @@ __all__ = ["DistAutogradContext", "backward", "context", "get_gradients", "is_av
 DistAutogradContext = GradContext
 """torch's name of the type of one distributed autograd context on one worker
 (:class:`~rpc_registry.grad_contexts.GradContext`)."""
+
+# Gradients as torch's engine hands them to a node's hooks (None: no gradient).
+GradTuple: TypeAlias = tuple[torch.Tensor | None, ...]
 
 # The context whose backward pass this thread runs, while it runs it.
 _running = threading.local()
@@ -124,11 +129,14 @@ def running_backward() -> int | None:
 
     True inside the autograd hooks of a pass of :func:`backward` on this
     worker (the first, or one that gradients arriving by RPC start). Such a
-    pass computes gradients for the context, not into ``.grad``, and the
-    hooks of ``AccumulateGrad`` nodes do not run: a module that reduces
-    gradients during backward (ddp_join's ``DistributedDataParallel``)
-    asks this to reduce the context's gradients instead. Hooks on CPU
-    tensors run on this thread; hooks on accelerator tensors may not.
+    pass computes gradients for the context, not into ``.grad``, so hooks
+    that follow accumulation into ``.grad``
+    (``Tensor.register_post_accumulate_grad_hook``) do not run, as in
+    torch: a module that reduces gradients during backward (ddp_join's
+    ``DistributedDataParallel``) asks this to reduce the context's
+    gradients instead. Hooks on CPU tensors run on this thread; hooks on
+    accelerator tensors may not. The hooks of a leaf's ``AccumulateGrad``
+    node run on this thread (see :func:`backward`).
     """
     context_id: int | None = getattr(_running, "context_id", None)
     return context_id
@@ -165,6 +173,14 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     gradient in the context and a fresh dense tensor with the leaf's
     strides: the hook's owner may still update it in place until this
     returns (see :func:`running_backward`).
+
+    Hooks on a leaf's ``AccumulateGrad`` node (for example
+    ``(leaf * 2).grad_fn.next_functions[0][0]``) run as torch's distributed engine
+    runs them, once per pass that reaches the leaf, the node itself never
+    running: its pre hooks (``register_prehook``) get ``(gradient,)`` and
+    may return a replacement, which the context keeps as a copy; its post
+    hooks (``register_hook``) then get ``((), (gradient,))``. Hooks
+    registered from C++ on such a node do not run.
     """
     del retain_graph  # graphs live until the context ends (see the docstring)
     state = api._current()
@@ -191,10 +207,10 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     _run_pass(state, context, list(roots), [torch.ones_like(root) for root in roots]).wait()
 
 
-def _leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The leaf tensors whose gradient ``outputs`` reach (their accumulate-grad nodes)."""
+def _leaves(outputs: list[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
+    """The leaf tensors whose gradient ``outputs`` reach, each with its accumulate-grad node."""
     seen: set[Any] = set()
-    leaves: list[torch.Tensor] = []
+    leaves: list[tuple[torch.Tensor, Any]] = []
     stack: list[Any] = [out.grad_fn for out in outputs if out.grad_fn is not None]
     while stack:
         node: Any = stack.pop()
@@ -203,9 +219,93 @@ def _leaves(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         seen.add(node)
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):
-            leaves.append(variable)
+            leaves.append((variable, node))
         stack.extend(child for child, _ in node.next_functions if child is not None)
     return leaves
+
+
+def _probe(*args: object) -> None:
+    """A hook that does nothing: registered only to find a node's other hooks."""
+
+
+def _hooks_of(register: Callable[[Callable[..., None]], RemovableHandle]) -> list[Callable[..., Any]]:
+    """The Python hooks that a node's ``register_hook`` or ``register_prehook`` holds, in calling order.
+
+    A node keeps the Python hooks of each kind in one dict, indexed by hook
+    id, which every handle it returns refers to: a probe registered and
+    removed at once reads it. Hooks added from C++ are not in it.
+    """
+    handle = register(_probe)
+    try:
+        hooks = handle.hooks_dict_ref()
+        return [hook for key, hook in hooks.items() if key != handle.id] if hooks is not None else []
+    finally:
+        handle.remove()
+
+
+def _checked(hook: Callable[..., Any], previous: GradTuple, result: object) -> GradTuple:
+    """``result`` of a node hook that replaces ``previous``, refused as torch's engine refuses it."""
+    name = getattr(hook, "__name__", repr(hook))
+    if not isinstance(result, tuple):
+        raise TypeError(
+            f"expected tuple, but hook returned '{type(result).__name__}': hook {name!r} must return "
+            "a tuple of tensors (or None to keep the gradients)"
+        )
+    if len(result) != len(previous):
+        raise RuntimeError(
+            f"hook '{name}' has returned an incorrect number of values (got {len(result)}, but expected "
+            f"{len(previous)})"
+        )
+    for old, new in zip(previous, result):
+        if new is None:
+            continue
+        if not isinstance(new, torch.Tensor):
+            raise TypeError(
+                f"expected Variable, but hook returned '{type(new).__name__}': hook {name!r} "
+                "must return tensors or None"
+            )
+        if old is None:
+            raise RuntimeError(f"can't replace a None gradient with a non-None value (hook '{name}')")
+        if new.type() != old.type():
+            raise RuntimeError(
+                f"hook '{name}' has changed the type of value (was {old.type()} got {new.type()})"
+            )
+        if new.device != old.device:
+            raise RuntimeError(
+                f"hook '{name}' has changed the device of value (was {old.device} got {new.device})"
+            )
+        if new.shape != old.shape:
+            raise RuntimeError(
+                f"hook '{name}' has changed the size of value (was {tuple(old.shape)} got {tuple(new.shape)})"
+            )
+    return result
+
+
+def _accumulate_with_node_hooks(
+    context: GradContext, leaf: torch.Tensor, node: Any, grad: torch.Tensor | None, steal: bool
+) -> None:
+    """What torch's distributed engine does at a leaf's accumulate-grad node instead of running it.
+
+    The node's pre hooks see the gradient (``None`` when the pass gave the
+    leaf none) and may replace it, the result is accumulated in the
+    context, and the node's post hooks are called with ``((), (gradient,))``;
+    what they return is checked and otherwise unused.
+    """
+    pre_hooks, post_hooks = _hooks_of(node.register_prehook), _hooks_of(node.register_hook)
+    grads: GradTuple = (grad,)
+    for hook in pre_hooks:
+        result = hook(grads)
+        if result is not None and result is not grads:
+            grads = _checked(hook, grads, result)
+    (final,) = grads
+    if final is not None:
+        # A gradient a hook returned may be held by the hook's owner: kept as a copy.
+        context.accumulate(leaf, final, steal=steal and final is grad)
+    outputs: GradTuple = ()
+    for hook in post_hooks:
+        result = hook(outputs, grads)
+        if result is not None and result is not outputs:
+            outputs = _checked(hook, outputs, result)
 
 
 def _buffer(grad: torch.Tensor) -> int:
@@ -230,46 +330,62 @@ def _stealable(leaf: torch.Tensor, grad: torch.Tensor) -> bool:
     return False
 
 
+def _accumulate(
+    context: GradContext, reached: list[tuple[torch.Tensor, Any, torch.Tensor | None]]
+) -> dict[tuple[str, int], tuple[WorkerInfo, dict[int, torch.Tensor]]]:
+    """Keep the gradients of this worker's leaves of a pass (``(leaf, its node, gradient)``) in ``context``.
+
+    Returns the gradients of recv leaves, summed by the send entry (sender,
+    send id) and position they go back to.
+    """
+    to_senders: dict[tuple[str, int], tuple[WorkerInfo, dict[int, torch.Tensor]]] = {}
+    buffers = collections.Counter(_buffer(grad) for _, _, grad in reached if grad is not None)
+    for leaf, node, grad in reached:
+        with context.lock:
+            recv = context.recvs.get(id(leaf))
+        if recv is None or recv[0] is not leaf:
+            steal = grad is not None and _stealable(leaf, grad) and buffers[_buffer(grad)] == 1
+            _accumulate_with_node_hooks(context, leaf, node, grad, steal)
+            continue
+        if grad is None:
+            continue
+        info = recv[1]
+        _, by_index = to_senders.setdefault((info.sender.name, info.send_id), (info.sender, {}))
+        known = by_index.get(info.index)
+        by_index[info.index] = grad if known is None else known + grad
+    return to_senders
+
+
 def _run_pass(
     state: api._RpcState, context: GradContext, outputs: list[torch.Tensor], grads: list[torch.Tensor]
 ) -> Future[None]:
     """Backpropagate ``grads`` from ``outputs`` here, then to the senders of recv leaves reached."""
     me = state.me
-    reached: list[tuple[torch.Tensor, torch.Tensor]] = []
+    to_senders: dict[tuple[str, int], tuple[WorkerInfo, dict[int, torch.Tensor]]] = {}
     inner: list[tuple[torch.Tensor, torch.Tensor]] = []
     for out, grad in zip(outputs, grads):
         if out.requires_grad:
             # A leaf goes through a view of itself, so that its hooks see the gradient.
             inner.append((out if out.grad_fn is not None else out.view_as(out), grad))
     if inner:
-        leaves = _leaves([out for out, _ in inner])
-        if leaves:
+        nodes = _leaves([out for out, _ in inner])
+        if nodes:
             outer, _running.context_id = getattr(_running, "context_id", None), context.context_id
             try:
                 found: tuple[torch.Tensor | None, ...] = torch.autograd.grad(
                     [out for out, _ in inner],
-                    leaves,
+                    [leaf for leaf, _ in nodes],
                     [grad for _, grad in inner],
                     retain_graph=True,
                     allow_unused=True,
+                )
+                to_senders = _accumulate(
+                    context, [(leaf, node, grad) for (leaf, node), grad in zip(nodes, found)]
                 )
             except Exception as exc:
                 raise RuntimeError(f"Error on Node {me.id}: {exc} (on {me.name})") from exc
             finally:
                 _running.context_id = outer
-            reached.extend((leaf, grad) for leaf, grad in zip(leaves, found) if grad is not None)
-    to_senders: dict[tuple[str, int], tuple[WorkerInfo, dict[int, torch.Tensor]]] = {}
-    buffers = collections.Counter(_buffer(grad) for _, grad in reached)
-    for leaf, grad in reached:
-        with context.lock:
-            recv = context.recvs.get(id(leaf))
-        if recv is None or recv[0] is not leaf:
-            context.accumulate(leaf, grad, steal=_stealable(leaf, grad) and buffers[_buffer(grad)] == 1)
-            continue
-        info = recv[1]
-        _, by_index = to_senders.setdefault((info.sender.name, info.send_id), (info.sender, {}))
-        known = by_index.get(info.index)
-        by_index[info.index] = grad if known is None else known + grad
     if not to_senders:
         return completed(None)
     timeout = state.resolve_timeout(-1)
