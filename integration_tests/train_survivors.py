@@ -5,8 +5,11 @@ UnevenDistributedSampler gives it; the rank named by --lose-rank R@K kills
 itself (SIGKILL) in iteration K. The survivors take over its later batches
 and go on; each writes what it trained on and what the Join recorded.
 
+    python -m join_core.launch --nproc-per-node 3 integration_tests/train_survivors.py --lose-rank 1@5
     python integration_tests/launch.py --nproc 3 integration_tests/train_survivors.py --lose-rank 1@5
-    torchrun --nproc-per-node 3 integration_tests/train_survivors.py --lose-rank 1@5
+
+(torchrun would stop the survivors when the lost rank dies: it stops every
+worker when one fails.)
 """
 
 from __future__ import annotations

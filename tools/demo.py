@@ -14,9 +14,9 @@ UnevenDistributedSampler.
 
 With --lose-rank R@K, rank R is killed (SIGKILL) in iteration K of a run
 under Join(on_rank_lost="continue") (DDP + ZeRO with shard replicas, batches
-from UnevenDistributedSampler): the survivors take its later batches over and
-go on, and must end with the same model, equal to a single-process run over
-the batches each rank trained on.
+from UnevenDistributedSampler), launched with python -m join_core.launch: the
+survivors take its later batches over and go on, and must end with the same
+model, equal to a single-process run over the batches each rank trained on.
 
     python3 tools/dev.py demo [--nproc N] [--device cpu|cuda] [--backend gloo|nccl] [--fsdp]
     python3 tools/dev.py demo --nproc 3 --lose-rank 1@5
@@ -44,6 +44,8 @@ sys.path.insert(0, str(ROOT / "integration_tests"))
 
 from launch import launch  # noqa: E402
 from training_common import read_results, reference_dense  # noqa: E402
+
+from join_core.testing import run_launch  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -161,17 +163,14 @@ def lose_rank_demo(console: Console, nproc: int, device: str, backend: str, lost
         f"{spec.partition('@')[2]}; the others go on (Join(on_rank_lost='continue'))"
     )
     with tempfile.TemporaryDirectory() as result_dir:
-        exits = launch(
-            ROOT / "integration_tests" / "train_survivors.py",
-            nproc,
-            ["--device", device, "--backend", backend, "--lose-rank", spec, "--result-dir", result_dir],
-            timeout=120.0,
-            grace=120.0,  # the survivors go on: nothing to cut short
+        script = ROOT / "integration_tests" / "train_survivors.py"
+        args = ["--device", device, "--backend", backend, "--lose-rank", spec, "--result-dir", result_dir]
+        console.print(
+            f"$ python -m join_core.launch --nproc-per-node {nproc} {script.name} {' '.join(args[:6])}"
         )
-        wrong = [e for e in exits if (e.returncode != -9) == (e.rank == lost)]
-        for e in wrong:
-            console.print(f"[red]rank {e.rank} exited {e.returncode}[/]\n{e.output}")
-        if wrong:
+        ended = run_launch(script, nproc, *args, timeout=120.0)
+        if ended.returncode != 0:  # the agent ends with 0 when every rank but the lost one finished
+            console.print(f"[red]the launch exited {ended.returncode}[/]\n{ended.output}")
             return 1
         survivors = [rank for rank in range(nproc) if rank != lost]
         results = {rank: read_results_of(Path(result_dir), rank) for rank in survivors}
