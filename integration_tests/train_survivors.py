@@ -61,6 +61,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--rpc", action="store_true", help="also start RPC, and check survivors' calls to each other after"
     )
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every iteration")
+    parser.add_argument(
+        "--mark", type=Path, default=None, help="rank 0 creates this file after its 3rd iteration (tests)"
+    )
     args = parser.parse_args(argv)
     me = rank_from_env(args.device, args.backend)
     lost_rank, lost_at = args.lose_rank if args.lose_rank is not None else (-1, -1)
@@ -93,6 +97,9 @@ def main(argv: list[str]) -> int:
             optimizer.step()
             batches.append(int(batch_id))
             losses.append(loss.item())
+            time.sleep(args.step_seconds)
+            if args.mark is not None and me.rank == 0 and len(batches) == 3:
+                args.mark.touch()
             now = time.monotonic()
             slowest, last = max(slowest, now - last), now
             report(args.progress, me.rank, batch=len(batches), loss=losses[-1])

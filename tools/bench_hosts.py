@@ -32,7 +32,7 @@ from typing import Any, Final
 
 from benchlib import Figure
 
-__all__ = ["two_host_figures"]
+__all__ = ["two_host_figures", "two_hosts"]
 
 _ECHO_MIB: Final = 64
 _ROOT: Final = Path(__file__).resolve().parent.parent
@@ -43,7 +43,7 @@ def _ip(*args: str) -> None:
 
 
 @contextmanager
-def _two_hosts() -> Iterator[tuple[tuple[str, str, str], tuple[str, str, str]]]:
+def two_hosts() -> Iterator[tuple[tuple[str, str, str], tuple[str, str, str]]]:
     """Two namespaces joined by a veth pair; yields (namespace, interface, address) for each end."""
     tag = os.getpid()
     subnet = f"10.213.{tag % 250}"
@@ -149,7 +149,7 @@ def two_host_figures(rounds: int, quick: bool) -> list[Figure]:
     if os.geteuid() != 0:
         raise PermissionError("--two-hosts makes network namespaces: run it as root")
     samples: dict[str, list[float]] = {"ours": [], "torch": []}
-    with _two_hosts() as (a, b):
+    with two_hosts() as (a, b):
         for round_ in range(rounds):
             for kind in ("ours", "torch") if round_ % 2 == 0 else ("torch", "ours"):
                 samples[kind].append(_pair(kind, a, b, 3 if quick else 10))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any, Final, overload
 
@@ -43,12 +44,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             :func:`ddp_join.hook_with_zero_step` (register it on the model);
             ``step()`` then steps nothing again.
         shard_replicas: (keyword, ours) 1: each rank also keeps, and steps, a replica of the
-            next lower rank's shard (its optimizer state; the gradients and
-            parameters are there already), so that the state survives the
-            loss of its owner under ``Join(on_rank_lost="continue")``: the
-            replica's holder takes the shard over. Costs one more shard of
-            optimizer state and of optimizer compute per rank, and no
-            communication. 0 (the default): no replica.
+            shard of the rank one host lower (``LOCAL_WORLD_SIZE`` ranks
+            lower, as torchrun numbers ranks host by host; the next lower
+            rank without it): its optimizer state, as the gradients and
+            parameters are there already. So the state survives the loss of
+            its owner, or of the owner's whole host, under
+            ``Join(on_rank_lost="continue")``: the replica's holder takes the
+            shard over. Costs one more shard of optimizer state and of
+            optimizer compute per rank, one small all-reduce at construction,
+            and no communication per step. 0 (the default): no replica.
         defaults: keyword arguments of ``optimizer_class`` (``lr=...``).
 
     Example::
@@ -107,6 +111,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for param_group in self.param_groups:
             self._assign(param_group["params"])
         self._defaults = defaults
+        self._replica_offset = _host_offset(group) if shard_replicas else 1  # holder of r's replica: r + this
         self.optim: torch.optim.Optimizer = self._optimizer_of(self.rank)
         for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
             _fill_defaults(global_group, local_group)
@@ -140,7 +145,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _predecessor(self) -> int:
         """The rank whose shard this one replicates."""
-        return (self.rank - 1) % self.world_size
+        return (self.rank - self._replica_offset) % self.world_size
 
     def _owned_by(self, rank: int) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"] if self._owner[id(p)] == rank]
@@ -306,7 +311,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if member in index:
                 new_owner[owner] = index[member]
                 continue
-            holder = old_members[(owner + 1) % len(old_members)]
+            holder = old_members[(owner + self._replica_offset) % len(old_members)]
             if holder not in index:
                 raise RankLostError(
                     dict(recovery.lost),
@@ -336,6 +341,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             assert source is not None
             if param in source.state:
                 self.optim.state[param] = source.state[param]
+        self._replica_offset = 1  # the survivors' ranks are not laid out host by host any more
         self._replica = self._optimizer_of(self._predecessor()) if self.world_size > 1 else None
         self._replicas_valid = self._replica is None
         self._make_bucket_views()
@@ -517,6 +523,20 @@ class _ZeroJoinHook(JoinHook):
         # reduced) but before step() finished: the others broadcast shards.
         if not self.zero.overlap_with_ddp and Join.heartbeats(self.zero) > self.zero._stepped:
             self.zero._broadcast_shards()
+
+
+def _host_offset(group: dist.ProcessGroup) -> int:
+    """How many ranks on a rank one host over is: ``LOCAL_WORLD_SIZE`` when every rank
+    reads the same value and it divides the world into more than one host, else 1."""
+    world_size = dist.get_world_size(group)
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    seen = torch.tensor([local, -local], dtype=torch.int64)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    same = int(seen[0]) == -int(seen[1]) == local
+    return local if same and 1 < local < world_size and world_size % local == 0 else 1
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
