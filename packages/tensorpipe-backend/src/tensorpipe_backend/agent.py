@@ -706,7 +706,7 @@ class TensorPipeAgent:
 
     def _coordinator_gone(self, name: str) -> bool:
         """Whether rank 0 (``name``) was lost or shut down. One that died may not be judged yet (its
-        connection's closing is being probed): a dial tells, or that probe's verdict within its limit."""
+        connection's closing is being probed): a probe tells, or that one's verdict within its limit."""
         if name in self._left:
             return True
         self._live_peers().probe(WorkerInfo(name, 0))

@@ -6,11 +6,11 @@ signs tell it, each cheap:
 
 - **Its connection closed and nobody listens at its address.** The kernel
   closes the sockets of a process that ended (killed, crashed) at once. The
-  reader sees the connection end and the agent dials the peer once
-  (:meth:`tensorpipe_backend.peers.Peers.drop`): refused, the peer is lost,
-  within a round trip of its death; answered, only the connection was, and
-  the dial made a new one. A later dial of a member that is refused is the
-  same sign.
+  reader sees the connection end and the agent connects to the peer's
+  address once (:meth:`tensorpipe_backend.peers.Peers.probe`): refused, the
+  peer is lost, within a round trip of its death; greeted, only the
+  connection was (the probe hangs up; the next call dials). A later dial of
+  a member that is refused is the same sign.
 - **It sent nothing for the liveness timeout.** A stopped process
   (``SIGSTOP``, a debugger) keeps its sockets open and its kernel still
   acknowledges TCP keepalives, so only its own silence tells. Every worker

@@ -9,12 +9,12 @@ and the other is told to use it. Every connection and lane starts with the
 HMAC handshake of :mod:`tensorpipe_backend.auth`; nothing is read from a peer
 before it passed.
 
-A connection that closes without its peer's goodbye is probed: one dial finds
-out at once whether the peer's process ended (nobody listens: the peer is
-lost, see :mod:`tensorpipe_backend.liveness`) or only the connection did
-(the dial makes a new one). A dial refused, or unanswered for the liveness
-timeout, judges the peer lost as well; a peer judged lost is refused when it
-dials back.
+A connection that closes without its peer's goodbye is probed: one connect
+finds out at once whether the peer's process ended (nobody listens: the peer
+is lost, see :mod:`tensorpipe_backend.liveness`) or only the connection did
+(its listener greets; the probe goes no further, the next call dials). A dial
+refused, or unanswered for the liveness timeout, judges the peer lost as
+well; a peer judged lost is refused when it dials back.
 """
 
 from __future__ import annotations
@@ -31,7 +31,14 @@ from typing import Final
 from rpc_registry import WorkerInfo
 from rpc_registry.errors import WorkerNameError
 
-from .auth import AuthenticationError, HandshakeStatus, PeerIdentity, client_handshake, server_handshake
+from .auth import (
+    HELLO_BYTES,
+    AuthenticationError,
+    HandshakeStatus,
+    PeerIdentity,
+    client_handshake,
+    server_handshake,
+)
 from .calls import Calls
 from .connection import Connection
 from .group import WorkerRecord
@@ -50,17 +57,13 @@ _HANDSHAKE_DEADLINE: Final = 10.0
 _MAX_HANDSHAKES: Final = 64
 _MAX_HANDSHAKES_PER_SOURCE: Final = 16
 _LANE_DIAL_TIMEOUT: Final = 5.0  # the peer just accepted the connection: its lane is as quick
-# How long the dial that probes a closed connection may take. A dead process's address refuses
-# at once; a peer that does not answer within this is not judged by the probe (later dials may).
+# How long the probe of a closed connection may take. A dead process's address refuses at once;
+# a peer that does not greet within this is not judged by the probe (later dials may).
 _PROBE_LIMIT: Final = 2.0
 
 
 class RefusedError(ConnectionError):
-    """A peer refuses this worker: it judged this worker lost. ``reason`` follows the peer's name."""
-
-    def __init__(self, peer: str, reason: str) -> None:
-        super().__init__(f"worker {peer} {reason}")
-        self.reason = reason
+    """A peer refuses this worker: it judged this worker lost."""
 
 
 class Peers:
@@ -198,10 +201,9 @@ class Peers:
             close_socket(sock)
             me = self._me.name
             raise RefusedError(
-                name,
-                f"(rank {record.rank}) refuses {me}: it judged {me} lost (its connection closed, or it "
-                f"sent nothing for the liveness timeout); shut {me} down (in a dynamic group it may "
-                "then join again)",
+                f"worker {name} (rank {record.rank}) refuses {me}: it judged {me} lost (its connection "
+                f"closed, or it sent nothing for the liveness timeout); shut {me} down (in a dynamic "
+                "group it may then join again)"
             )
         sock.settimeout(None)
         conn = Connection(WorkerInfo(name, record.rank), sock, shared_files(self._mine(), record, sock))
@@ -232,33 +234,43 @@ class Peers:
             )
 
     def probe(self, peer: WorkerInfo) -> str | None:
-        """Dial ``peer``, whose connection closed without a goodbye: a new connection if it is alive.
-        What its calls fail with, after ``worker <name>``: why it was lost if it is (see
-        :meth:`_dial`), that it refuses this worker if it does; ``None`` otherwise.
+        """Find out whether ``peer``, whose connection closed without a goodbye, still listens; what
+        its calls fail with, after ``worker <name>`` (``None``: it listens, or did not tell within
+        the probe's limit).
 
-        A process that is ending may still accept a connection on its listener
-        and then reset it: that dial is tried again, until its listener refuses.
+        A listening worker greets a connection at once (the handshake's hello):
+        the probe reads that and hangs up, making no connection. Nobody
+        listening judges the peer lost. A process that is ending may still
+        accept a connection and then reset it: that is tried again, until its
+        listener refuses.
         """
+        record = self._record(peer.name)
+        if record is None or record.rank != peer.id:
+            with self._lock:
+                return self._left.get(peer.name)
         deadline = time.monotonic() + min(self._liveness_timeout or _PROBE_LIMIT, _PROBE_LIMIT)
         delay = 0.002
-        while True:
+        while (remaining := deadline - time.monotonic()) > 0:
             try:
-                self.connection(peer.name, deadline)
-                break
-            except RefusedError as exc:
-                return exc.reason
-            except (AuthenticationError, TimeoutError, RuntimeError) as exc:  # RuntimeError: it left
-                logger.debug("%s: probing %s after its connection closed: %s", self._me.name, peer.name, exc)
+                sock = dial_local(self._mine(), record, remaining) or socket.create_connection(
+                    (record.host, record.port), timeout=remaining
+                )
+            except ConnectionRefusedError as exc:
+                self._judge(peer, f"nothing listens at its address any more ({exc}): its process ended")
                 break
             except OSError as exc:
-                logger.debug("%s: probing %s after its connection closed: %s", self._me.name, peer.name, exc)
-                with self._lock:
-                    if peer.name in self._left or self._closed:
-                        break
-                if time.monotonic() + delay >= deadline:
-                    break
-                time.sleep(delay)
-                delay = min(delay * 2, 0.1)
+                logger.debug("%s: probing %s: %s", self._me.name, peer.name, exc)
+                break
+            try:
+                sock.settimeout(max(deadline - time.monotonic(), 0.01))
+                recv_exact(sock, HELLO_BYTES)
+                break  # it greets: alive
+            except (OSError, EOFError) as exc:
+                logger.debug("%s: probing %s: %s", self._me.name, peer.name, exc)
+            finally:
+                close_socket(sock)
+            time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+            delay = min(delay * 2, 0.1)
         with self._lock:
             return self._left.get(peer.name)
 
@@ -387,7 +399,9 @@ class Peers:
             tune(sock)
             server_handshake(sock, self._secret, PeerIdentity(self._me.name, self._me.id), decide)
         except (OSError, EOFError, struct.error, ValueError) as exc:
-            logger.warning("%s: rejected a connection: %s", self._me.name, exc)
+            # A client that hangs up before its proof (a probe, a scanner) is no threat worth a warning.
+            level = logging.DEBUG if isinstance(exc, EOFError) and not conn else logging.WARNING
+            logger.log(level, "%s: rejected a connection: %s", self._me.name, exc)
             if conn:
                 conn[0].send_lock.release()
                 self.drop(conn[0], f"authentication failed ({exc})")
@@ -424,7 +438,7 @@ class Peers:
         """Close ``conn`` and fail its pending calls, naming the peer and ``reason``.
 
         With ``probe`` (the connection ended or failed, and not because of this
-        worker), a peer that did not say goodbye is dialled first (see
+        worker), a peer that did not say goodbye is probed first (see
         :meth:`probe`): if it was lost, its calls fail saying so.
         """
         current = False
