@@ -9,6 +9,7 @@ import torch
 
 from rpc_registry import DEFAULT_RPC_TIMEOUT_SEC, RpcBackendOptions, construct_rpc_backend_options
 from tensorpipe_backend import (
+    DEFAULT_LIVENESS_TIMEOUT,
     TensorPipeRpcBackendOptions,
     construct_rpc_backend_options_handler,
     ensure_registered,
@@ -25,6 +26,7 @@ def test_defaults_match_torch() -> None:
     assert options.rpc_timeout == DEFAULT_RPC_TIMEOUT_SEC == 60.0
     assert options.init_method == "env://"
     assert options.device_maps == {} and options.devices == [] and options.auth_token is None
+    assert options.liveness_timeout == DEFAULT_LIVENESS_TIMEOUT == 30.0  # ours: torch has no such option
     assert isinstance(options, RpcBackendOptions)
 
 
@@ -90,6 +92,9 @@ def test_devices_must_be_cuda_devices() -> None:
         ({"devices": [True]}, TypeError, r"device=True"),
         ({"devices": ["gpu7"]}, ValueError, r"device='gpu7': not a device"),
         ({"device_maps": {"w1": {-1: 0}}}, ValueError, r"device=-1: a CUDA device index must be >= 0"),
+        ({"liveness_timeout": -1.0}, ValueError, r"liveness_timeout=-1.0: must be seconds >= 0, e.g. 30"),
+        ({"liveness_timeout": float("inf")}, ValueError, r"liveness_timeout=inf: must be seconds >= 0"),
+        ({"liveness_timeout": True}, ValueError, r"liveness_timeout=True: must be seconds >= 0"),
     ],
 )
 def test_bad_option_names_argument_value_and_fix(
@@ -100,9 +105,11 @@ def test_bad_option_names_argument_value_and_fix(
 
 
 def test_options_handler_passes_every_keyword() -> None:
-    options = construct_rpc_backend_options_handler(5.0, "tcp://h:1", num_worker_threads=3, auth_token="s")
+    options = construct_rpc_backend_options_handler(
+        5.0, "tcp://h:1", num_worker_threads=3, auth_token="s", liveness_timeout=0
+    )
     assert (options.rpc_timeout, options.init_method, options.num_worker_threads) == (5.0, "tcp://h:1", 3)
-    assert options.auth_token == "s"
+    assert options.auth_token == "s" and options.liveness_timeout == 0.0
 
 
 def test_registry_builds_these_options_for_tensorpipe() -> None:

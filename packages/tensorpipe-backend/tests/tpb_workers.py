@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.synchronize
@@ -656,4 +657,202 @@ def garbage_then_call(
     close_garbage()
     results.put(outcomes)
     done.set()
+    shutdown(graceful=False)
+
+
+# Lost workers: one of the group killed (SIGKILL) or frozen (SIGSTOP) by the test.
+class _Warnings(logging.Handler):
+    """Keeps the text of every warning the agent logs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.texts.append(record.getMessage())
+
+
+def _agent_warnings() -> list[str]:
+    """The warnings the agent will log in this process, as they come."""
+    handler = _Warnings()
+    logging.getLogger("tensorpipe_backend").addHandler(handler)
+    return handler.texts
+
+
+def _timed_error(fn: Callable[[], object]) -> tuple[str, float]:
+    """What :func:`_error_text` gives for ``fn``, and how long ``fn`` took."""
+    start = time.monotonic()
+    text = _error_text(fn)
+    return text, time.monotonic() - start
+
+
+def call_whoami(to: str) -> tuple[str, float]:
+    """From the callee: call ``to``; the error ("no error" if none) and how long the call took."""
+    return _timed_error(lambda: rpc_sync(to, whoami))
+
+
+def worker_names() -> list[str]:
+    """The callee's ``get_worker_infos()``, by name."""
+    return [info.name for info in get_current_agent().get_worker_infos()]
+
+
+def stored_members() -> list[str]:
+    """The dynamic group's member list in the store, as the callee reads it."""
+    from tensorpipe_backend.group import members
+
+    return members(get_current_agent()._store)
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _pending_errors(to: str, seconds: float) -> Callable[[], tuple[list[str], float]]:
+    """Send ``to`` two calls (one waited for in a thread of its own, which reads its reply
+    itself) that take ``seconds``; a function that waits for their errors and says how long that took."""
+    futures = [rpc_async(to, sleep_then, args=(seconds, i), timeout=0) for i in range(2)]
+    sync_error: list[str] = []
+    waiter = threading.Thread(
+        target=lambda: sync_error.append(
+            _error_text(lambda: rpc_sync(to, sleep_then, args=(seconds, 9), timeout=0))
+        )
+    )
+    waiter.start()
+
+    def errors() -> tuple[list[str], float]:
+        start = time.monotonic()
+        texts = [_error_text(future.wait) for future in futures]
+        waiter.join(60)
+        return texts + sync_error, time.monotonic() - start
+
+    return errors
+
+
+def serve_until_told(
+    name: str,
+    rank: int,
+    world_size: int | None,
+    init_method: str,
+    results: Any,
+    go: Any,
+    liveness_timeout: float | None = None,
+) -> None:
+    """Join the group (``world_size=None``: the dynamic one), report ``("ready", name)``, serve until
+    ``go``, shut down gracefully; report ``("done", name, outcome, seconds, warnings)``."""
+    warnings = _agent_warnings()
+    extra = {} if liveness_timeout is None else {"liveness_timeout": liveness_timeout}
+    init_rpc(name, backend(), rank, world_size, options(init_method, **extra))
+    results.put(("ready", name))
+    go.wait(120)
+    outcome, seconds = _timed_error(lambda: shutdown(graceful=True, timeout=30.0))
+    results.put(("done", name, outcome, seconds, warnings))
+
+
+def static_survivor_k0(init_method: str, sent: Any, killed: Any, results: Any, release_k1: Any) -> None:
+    """k0 (rank 0): has calls pending on k2, which the test kills; reports how they, a new call to
+    k2, k1's first call to k2 and the calls between the survivors went, and the group each sees;
+    then both survivors shut down."""
+    warnings = _agent_warnings()
+    init_rpc("k0", backend(), 0, 3, options(init_method))
+    pending = _pending_errors("k2", 60.0)
+    time.sleep(0.3)
+    sent.put("sent")
+    killed.wait(60)
+    errors, waited = pending()
+    report: dict[str, object] = {
+        "pending": errors,
+        "pending_s": waited,
+        "new_call": call_whoami("k2"),
+        "k1_call": rpc_sync("k1", call_whoami, args=("k2",)),
+        "k0_to_k1": rpc_sync("k1", whoami),
+        "k1_to_k0": rpc_sync("k1", ask_whoami, args=("k0",)),
+        "k0_infos": worker_names(),
+        "k1_infos": rpc_sync("k1", worker_names),
+    }
+    release_k1.set()
+    outcome, seconds = _timed_error(lambda: shutdown(graceful=True, timeout=30.0))
+    results.put(("done", "k0", outcome, seconds, warnings))
+    results.put(("report", report))
+
+
+def dynamic_host_d0(init_method: str, killed: Any, joined: Any, results: Any) -> None:
+    """d0 (hosts the store): once d1 and d2 joined, has a call pending on d2, which the test
+    kills; reports how it, a new call to d2 and d1's first one went, and the group as d0, d1 and the
+    store see it; once a new worker joined under d2's name, the group again; leaves last."""
+    init_rpc("d0", backend(), 0, None, options(init_method))
+    _wait_for(lambda: len(worker_names()) == 3, 60)
+    pending = _pending_errors("d2", 60.0)
+    time.sleep(0.3)
+    results.put(("sent",))
+    killed.wait(60)
+    errors, waited = pending()
+    report: dict[str, object] = {
+        "pending": errors,
+        "pending_s": waited,
+        "new_call": call_whoami("d2"),
+        "d1_call": rpc_sync("d1", call_whoami, args=("d2",)),
+        "d0_infos": worker_names(),
+        "d1_infos": rpc_sync("d1", worker_names),
+    }
+    report["store_cleared"] = _wait_for(lambda: sorted(stored_members()) == ["d0", "d1"], 10)
+    report["stored"] = stored_members()
+    results.put(("report", report))
+    joined.wait(120)
+    after: dict[str, object] = {"d0_infos": [(i.name, i.id) for i in get_current_agent().get_worker_infos()]}
+    after["d0_to_new_d2"] = rpc_sync("d2", whoami)
+    results.put(("after_join", after))
+    _wait_for(lambda: len(worker_names()) == 1, 120)  # d0 hosts the store: it leaves last
+    outcome, seconds = _timed_error(lambda: shutdown(graceful=True, timeout=30.0))
+    results.put(("done", "d0", outcome, seconds, []))
+
+
+def dynamic_joiner(name: str, rank: int, init_method: str, results: Any, leave: Any) -> None:
+    """Join the dynamic group; report the group it sees and what d0 and d1 answer; leave when told."""
+    init_rpc(name, backend(), rank, None, options(init_method))
+    results.put(("joined", worker_names(), rpc_sync("d0", whoami), rpc_sync("d1", whoami)))
+    leave.wait(120)
+    outcome, seconds = _timed_error(lambda: shutdown(graceful=True, timeout=30.0))
+    results.put(("done", name, outcome, seconds, []))
+
+
+def frozen_host_f0(init_method: str, stopped: Any, results: Any, zombie_done: Any, liveness: float) -> None:
+    """f0 (hosts the store): once f1 and f2 joined, has a call pending on f2, which the test freezes;
+    reports how it, a new call and f1's first call to f2 went, and the group f0 and f1 see; leaves last."""
+    init_rpc("f0", backend(), 0, None, options(init_method, liveness_timeout=liveness))
+    _wait_for(lambda: len(worker_names()) == 3, 60)
+    pending = _pending_errors("f2", 8.0)
+    time.sleep(0.3)
+    results.put(("sent",))
+    stopped.wait(60)
+    errors, waited = pending()
+    report: dict[str, object] = {
+        "pending": errors,
+        "pending_s": waited,
+        "new_call": call_whoami("f2"),
+        "f1_call": rpc_sync("f1", call_whoami, args=("f2",)),
+        "f0_to_f1": rpc_sync("f1", whoami),
+        "f0_infos": worker_names(),
+        "f1_infos": rpc_sync("f1", worker_names),
+    }
+    results.put(("report", report))
+    zombie_done.wait(120)
+    _wait_for(lambda: len(worker_names()) == 1, 120)  # f0 hosts the store: it leaves last
+    outcome, seconds = _timed_error(lambda: shutdown(graceful=True, timeout=30.0))
+    results.put(("done", "f0", outcome, seconds, []))
+
+
+def zombie_f2(init_method: str, results: Any, resumed: Any, liveness: float) -> None:
+    """f2: joins, reports its pid; frozen by the test, then resumed: reports what two calls to f0
+    give (the first may go out on the connection f0 closed, before f2 read that it did), and stops
+    without leaving (its peers took it out of the group)."""
+    init_rpc("f2", backend(), 2, None, options(init_method, liveness_timeout=liveness))
+    results.put(("ready", "f2", os.getpid()))
+    resumed.wait(120)
+    time.sleep(0.5)
+    results.put(("zombie", [_error_text(lambda: rpc_sync("f0", whoami)) for _ in range(2)]))
     shutdown(graceful=False)

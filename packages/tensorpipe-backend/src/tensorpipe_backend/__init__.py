@@ -6,6 +6,9 @@ A static group publishes its members' records (names, addresses, device
 maps) in the rendezvous store of ``rpc_registry.init_rpc``, signed with the
 job's secret, and runs its barriers through rank 0 over the agent's own
 authenticated connections; a dynamic group keeps its records in the store.
+A worker lost without leaving (its process ended, or froze past the
+``liveness_timeout``) is named in the errors of the calls to it and leaves
+the group; the survivors go on.
 Installed, it is ``rpc_registry``'s default backend.
 """
 
@@ -15,6 +18,7 @@ from .agent import ADDR_ENV, TensorPipeAgent, get_current_agent
 from .auth import AuthenticationError
 from .device_maps import create_device_list, create_reverse_mapping, validate_device_maps
 from .options import (
+    DEFAULT_LIVENESS_TIMEOUT,
     DEFAULT_NUM_WORKER_THREADS,
     DeviceType,
     TensorPipeRpcBackendOptions,
@@ -31,6 +35,7 @@ __all__ = [
     "ADDR_ENV",
     "AUTH_TOKEN_ENV",
     "BACKEND_NAME",
+    "DEFAULT_LIVENESS_TIMEOUT",
     "DEFAULT_NUM_WORKER_THREADS",
     "PLUGIN",
     "AuthenticationError",

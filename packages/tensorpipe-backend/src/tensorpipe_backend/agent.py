@@ -14,9 +14,27 @@ The agent wires the rooms that follow one call:
   reader (or, in ``send_wait``, the caller itself) completes the call.
 
 The agent itself holds the group (records, device maps, membership), the
-public ``rpc_registry.RpcAgent`` methods and shutdown. Liveness comes from
-TCP keepalive and ``TCP_USER_TIMEOUT`` (about four seconds); a killed
-process is noticed at once because its kernel closes its sockets.
+public ``rpc_registry.RpcAgent`` methods and shutdown, and the verdict on a
+lost peer (:meth:`TensorPipeAgent._judge`; how a loss is found is
+:mod:`.liveness`): a peer whose process ended is judged lost as soon as its
+connection closes, a frozen one once it sent nothing for ``liveness_timeout``.
+From then on:
+
+- its pending calls and every later call to it fail at once with a
+  ``ConnectionError`` that names it, its rank and why it was lost (in a
+  dynamic group, naming it in a call raises ``WorkerNameError`` saying so);
+- ``get_worker_infos()`` no longer lists it; in a dynamic group,
+  ``get_worker_info(name)`` raises, and the first survivor to judge it takes
+  it out of the member list in the store and frees its name, so that other
+  workers and those joining later do not see it either;
+- it is refused if it comes back (a frozen process that resumes): it must
+  shut down, and may then join a dynamic group again;
+- a static group's graceful shutdown goes on without it (rank 0 does not wait
+  for it; if rank 0 itself was lost, each survivor waits for its own calls
+  only, and says so in the log).
+
+Calls between the survivors go on. A host that vanished is noticed by TCP
+keepalive and ``TCP_USER_TIMEOUT`` (about four seconds).
 """
 
 from __future__ import annotations
@@ -40,7 +58,7 @@ from rpc_registry.errors import WorkerNameError
 
 from .address import ADDR_ENV, check_reachable, listen_host
 from .calls import Calls, Pending, Reply, ReplySink
-from .connection import Connection, prepare_tensor
+from .connection import KEEPALIVES, Connection, prepare_tensor
 from .device_maps import create_device_list, create_reverse_mapping, validate_device_maps
 from .group import (
     WorkerRecord,
@@ -49,15 +67,17 @@ from .group import (
     membership_token,
     publish_signed_record,
     record_key,
+    remove_lost_member,
     report_failure,
     set_members,
     static_group_met,
 )
+from .liveness import Liveness
 from .options import DeviceMap, TensorPipeRpcBackendOptions
 from .peers import Peers
 from .reader import Readers, reading
 from .requests import Requests
-from .rounds import GroupRounds
+from .rounds import GroupRounds, RoundFailedError
 from .secret import resolve_secret
 from .shm import host_identity
 from .strands import call_out, running
@@ -70,6 +90,8 @@ logger: logging.Logger = logging.getLogger(__name__)
 __all__ = ["ADDR_ENV", "TensorPipeAgent", "get_current_agent", "prepare_tensor"]
 
 _current: weakref.ref[TensorPipeAgent] | None = None
+# How long a shutdown whose rank 0 failed a round waits for the verdict that rank 0 is gone.
+_VERDICT_WAIT: Final = 2.0
 # torch's wording, which callers may match; the fix follows it.
 _MIXED_GROUP: Final = (
     "RPC group mixes statically and dynamically initialized members which is not supported. "
@@ -123,6 +145,7 @@ class TensorPipeAgent:
         self._records: dict[str, WorkerRecord] = {}
         self._infos: dict[str, tuple[WorkerRecord, WorkerInfo]] = {}  # get_worker_info's, per record
         self._left: dict[str, str] = {}
+        self._lost: dict[str, WorkerRecord] = {}  # the peers judged lost, and which incarnation
         self._pings: dict[int, threading.Event] = {}
         self._closed = False
         self._said_goodbye = False
@@ -151,6 +174,7 @@ class TensorPipeAgent:
         )
         watch.add(self._readers)
         self._peers: Peers | None = None
+        self._liveness: Liveness | None = None
         try:
             self._secret = secret = resolve_secret(
                 options.auth_token,
@@ -170,10 +194,12 @@ class TensorPipeAgent:
                 self._record,
                 self._mine,
                 self._left,
+                self._lost,
                 calls,
                 self._readers,
                 self._spawn,
-                self._lost,
+                self._judge,
+                options.liveness_timeout if KEEPALIVES else 0.0,
             )
             host = listen_host(options.init_method)
             self._listener = socket.create_server((host, 0))
@@ -199,6 +225,9 @@ class TensorPipeAgent:
                 self._spawn(peers.accept_loop, "accept-local", self._local_listener)
             self._spawn(calls.run_deadlines, "deadlines")
             self._spawn(watch.run, "watch")
+            if options.liveness_timeout > 0 and KEEPALIVES:
+                self._liveness = Liveness(name, options.liveness_timeout, self._connections, self._silent)
+                self._spawn(self._liveness.run, "liveness")
             if world_size is not None:
                 self._join_static(record, world_size)
             else:
@@ -309,6 +338,7 @@ class TensorPipeAgent:
         """Remember ``record`` and the reverse map it implies (hold ``_cond``)."""
         self._records[record.name] = record
         self._left.pop(record.name, None)
+        self._lost.pop(record.name, None)
         map_to_me = record.device_maps.get(self._me.name)
         if map_to_me is not None:
             self._reverse_maps[record.name] = {dst: src for src, dst in map_to_me.items()}
@@ -333,10 +363,17 @@ class TensorPipeAgent:
         if record is not None:
             return record
         key = record_key(name)
-        if not self._store.check([key]):
-            return None
-        record = WorkerRecord.from_json(self._store.get(key))
+        try:
+            if not self._store.check([key]):
+                return None
+            record = WorkerRecord.from_json(self._store.get(key))
+        except RuntimeError:  # the store is unreachable (its host may be lost)
+            if name in self._left:
+                return None  # it left or was lost: so it stays
+            raise
         with self._lock:
+            if record == self._lost.get(name):
+                return None  # judged lost; its record is about to leave the store
             self._learn(record)
         return record
 
@@ -420,12 +457,24 @@ class TensorPipeAgent:
         return info
 
     def get_worker_infos(self) -> list[WorkerInfo]:
-        """Every worker known to be in the group, this one included, by rank."""
+        """Every worker in the group, this one included, by rank; not those that left or were lost.
+
+        In a dynamic group, the members the store lists, less those this
+        worker judged lost (while the store is unreachable: those it knows);
+        in a static group, every rank less those that shut down or were lost.
+        """
+        names = None
         if self._world_size is None and not self._closed:
-            for name in members(self._store):
+            try:
+                names = members(self._store)
+            except (RuntimeError, OSError, ValueError) as exc:  # the store's host may be the one lost
+                logger.debug("%s: the store's member list is unreadable: %s", self._me.name, exc)
+            for name in names or ():
                 self._record(name)
         with self._lock:
-            infos = {WorkerInfo(r.name, r.rank) for n, r in self._records.items() if n not in self._left}
+            records = self._records
+            listed = records if names is None else [n for n in names if n in records]
+            infos = {WorkerInfo(records[n].name, records[n].rank) for n in listed if n not in self._left}
         return sorted(infos | {self._me}, key=lambda info: info.id)
 
     def send(self, to: WorkerInfo, message: Message, timeout: float) -> Future[Message]:
@@ -512,7 +561,7 @@ class TensorPipeAgent:
                     pending.deliver(ValueError(f"{pending.what} was not sent: {exc}"))
                 return None
             except OSError as exc:
-                peers.drop(conn, f"sending to it failed ({exc})")
+                peers.drop(conn, f"sending to it failed ({exc})", probe=True)
                 return None
         except BaseException:
             calls.claim(conn, msg_id)
@@ -541,10 +590,29 @@ class TensorPipeAgent:
         group, what = self._static_group(), "a shutdown barrier with no call in flight"
         while True:
             remaining = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
-            if group.sum(self._active(), remaining, what) == 0:
+            try:
+                # Rank 0 does not wait for the workers lost: they have no call in flight any more.
+                if group.sum(self._active(), remaining, what, skip_lost=True) == 0:
+                    break
+            except (RoundFailedError, ConnectionError) as exc:
+                if not self._coordinator_gone(group.coordinator):
+                    raise
+                reason = self._left[group.coordinator]
+                logger.warning(
+                    "%s: worker %s %s; it is rank 0, through which the group agrees that no call is in "
+                    "flight, so this worker waits for its own calls only (%s)",
+                    self._me.name,
+                    group.coordinator,
+                    reason,
+                    exc,
+                )
+                self._wait_idle(deadline)
                 break
             self._calls.wait_idle(0.05)
         if shutdown:
+            if self._lost:
+                lost = ", ".join(sorted(self._lost))
+                logger.warning("%s: the group shut down without %s, lost", self._me.name, lost)
             self._goodbye("has shut down")
 
     def shutdown(self) -> None:
@@ -585,20 +653,90 @@ class TensorPipeAgent:
             except ValueError as exc:
                 raise FrameError(f"{conn.peer.name}: {exc}") from None
         elif kind is Kind.GOODBYE:
+            reason = payload.decode(errors="replace")[:200]
             with self._lock:
-                self._left[conn.peer.name] = payload.decode(errors="replace")[:200]
+                self._left[conn.peer.name] = reason
+                self._cond.notify_all()
                 if self._world_size is None:
                     self._records.pop(conn.peer.name, None)
                     self._reverse_maps.pop(conn.peer.name, None)
+            rounds = self._rounds
+            if rounds is not None:  # its rounds are over: one still waiting for it fails, or skips it
+                rounds.lost(conn.peer.id, f"it {reason}")
 
     def _send_round(self, name: str, number: int, payload: bytes) -> None:
-        conn = self._live_peers().connection(name, time.monotonic() + self._init_timeout)
-        conn.write(Kind.GROUP, number, payload, [])
+        reason = self._left.get(name)
+        if reason is not None:
+            raise RoundFailedError(f"worker {name} {reason}")
+        peers = self._live_peers()
+        conn = peers.connection(name, time.monotonic() + self._init_timeout)
+        try:
+            conn.write(Kind.GROUP, number, payload, [])
+        except OSError as exc:
+            peers.drop(conn, f"sending to it failed ({exc})", probe=True)
+            raise
 
-    def _lost(self, conn: Connection, reason: str) -> None:
+    # Lost peers (see the module docstring and .liveness).
+    def _judge(self, peer: WorkerInfo, why: str) -> str | None:
+        """Judge ``peer`` lost because of ``why``, once; the reason its calls now fail with (its
+        earlier one if it already left or was lost; ``None``: not a member, or shutting down)."""
+        with self._lock:
+            if self._closed:
+                return None
+            known = self._left.get(peer.name)
+            if known is not None:
+                return known
+            record = self._records.get(peer.name)
+            if record is None or record.rank != peer.id or peer.name == self._me.name:
+                return None
+            reason = f"(rank {peer.id}) was lost: {why}"
+            self._left[peer.name] = reason
+            self._lost[peer.name] = record
+            self._cond.notify_all()
+            if self._world_size is None:
+                self._records.pop(peer.name, None)
+                self._reverse_maps.pop(peer.name, None)
+        logger.warning("%s: worker %s %s", self._me.name, peer.name, reason)
         rounds = self._rounds
         if rounds is not None:
-            rounds.lost(conn.peer.id, reason)
+            rounds.lost(peer.id, reason)
+        if self._world_size is None:
+            self._spawn(self._remove_lost, f"remove-{peer.name}", record)
+        return reason
+
+    def _coordinator_gone(self, name: str) -> bool:
+        """Whether rank 0 (``name``) was lost or shut down. One that died may not be judged yet (its
+        connection's closing is being probed): a probe tells, or that one's verdict within its limit."""
+        if name in self._left:
+            return True
+        self._live_peers().probe(WorkerInfo(name, 0))
+        with self._lock:
+            return self._cond.wait_for(lambda: name in self._left, timeout=_VERDICT_WAIT)
+
+    def _silent(self, conn: Connection, waited: float) -> None:
+        """The liveness thread found ``conn``'s peer silent for ``waited`` seconds."""
+        timeout = self._options.liveness_timeout
+        why = f"it sent nothing for {waited:.1f} s (liveness_timeout={timeout:g})"
+        reason = self._judge(conn.peer, why)
+        self._live_peers().drop(conn, reason or why)
+
+    def _remove_lost(self, record: WorkerRecord) -> None:
+        """Take the lost worker of ``record`` out of the dynamic group in the store."""
+        try:
+            removed = remove_lost_member(
+                self._store, self._me.name, record, self._init_timeout, self._lost_holder
+            )
+        except (RuntimeError, OSError, ValueError, TimeoutError) as exc:
+            logger.warning(
+                "%s: could not take lost worker %s out of the group: %s", self._me.name, record.name, exc
+            )
+            return
+        if removed:
+            logger.info("%s: took lost worker %s out of the group", self._me.name, record.name)
+
+    def _lost_holder(self, holder: str) -> bool:
+        """Whether the membership token's ``holder`` is a worker judged lost."""
+        return holder.split(" (removing ", 1)[0] in self._lost
 
     def _ping(self, name: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -624,8 +762,8 @@ class TensorPipeAgent:
         peers = self._peers
         return [] if peers is None else peers.snapshot()
 
-    def _drop(self, conn: Connection, reason: str) -> None:
-        self._live_peers().drop(conn, reason)
+    def _drop(self, conn: Connection, reason: str, probe: bool = False) -> None:
+        self._live_peers().drop(conn, reason, probe)
 
     def _spawn(self, target: Callable[..., None], what: str, *args: object) -> None:
         thread = threading.Thread(target=target, args=args, name=f"tpb-{self._me.name}-{what}", daemon=True)
@@ -654,9 +792,20 @@ class TensorPipeAgent:
 
     def _leave(self, deadline: float | None) -> None:
         timeout = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
-        with membership_token(self._store, self._me.name, timeout):
-            set_members(self._store, [n for n in members(self._store) if n != self._me.name])
-            self._store.delete_key(record_key(self._me.name))
+        try:
+            with membership_token(self._store, self._me.name, timeout, self._lost_holder):
+                set_members(self._store, [n for n in members(self._store) if n != self._me.name])
+                self._store.delete_key(record_key(self._me.name))
+        except TimeoutError:
+            raise
+        except RuntimeError as exc:  # the store is unreachable: its host (rank 0) was lost, maybe
+            host = ", ".join(f"{n} {self._left[n]}" for n in sorted(self._lost)) or "its host is gone"
+            logger.warning(
+                "%s: could not leave the group in the store (%s; %s); only the connected workers are told",
+                self._me.name,
+                exc,
+                host,
+            )
         self._goodbye("left the group")
 
     def _goodbye(self, reason: str) -> None:
@@ -677,6 +826,8 @@ class TensorPipeAgent:
             self._closed = True
             if self._peers is not None:
                 self._peers.close()
+            if self._liveness is not None:
+                self._liveness.close()
             conns = self._connections()
             self._cond.notify_all()
             self._calls.close()

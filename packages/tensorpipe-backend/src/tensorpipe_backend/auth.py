@@ -69,6 +69,8 @@ class HandshakeStatus(enum.IntEnum):
     ACCEPTED = 0
     DUPLICATE = 1
     """Authenticated, but another connection between the two is kept: use that one."""
+    REFUSED = 2
+    """Authenticated, but this worker judged the client lost: it does not talk to it again."""
 
 
 @dataclass(frozen=True)

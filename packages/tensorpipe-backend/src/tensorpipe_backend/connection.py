@@ -46,13 +46,19 @@ from .wire import (
 if TYPE_CHECKING:
     from .calls import Pending
 
-__all__ = ["SMALL_PAYLOAD", "Connection", "prepare_tensor"]
+__all__ = ["KEEPALIVES", "SMALL_PAYLOAD", "Connection", "prepare_tensor"]
 
 SMALL_PAYLOAD: Final = 1 << 16
 """Payloads up to this size go out in one ``sendall`` with their header."""
 # A lane is attached on this end once the dialler's confirmation is read: a frame that uses it
 # may come first.
 _LANE_ATTACH_WAIT: Final = 10.0
+# A keepalive is a PONG nobody asked for (id 0: no ping has it), as WebSocket's unsolicited pong:
+# every version of the agent ignores it.
+_KEEPALIVE: Final = small_frame(Kind.PONG, 0, b"")
+_DONTWAIT: Final = getattr(socket, "MSG_DONTWAIT", 0)
+KEEPALIVES: Final = bool(_DONTWAIT)
+"""Whether :meth:`Connection.send_keepalive` can send without blocking on this platform."""
 
 
 def _cuda_mapping_error(device: torch.device, dest: str, is_request: bool) -> RuntimeError:
@@ -212,6 +218,26 @@ class Connection:
                 )
             else:
                 send_all(self.sock, view)
+
+    def send_keepalive(self) -> None:
+        """Send a keepalive frame, unless another frame is being sent (whose bytes show this worker
+        alive as well) or the socket's buffer is full (the peer does not read). Never blocks."""
+        if not self.send_lock.acquire(blocking=False):
+            return
+        try:
+            if self.closed:
+                return
+            try:
+                sent = self.sock.send(_KEEPALIVE, _DONTWAIT)
+            except OSError:  # full (BlockingIOError), or broken: the reader sees the latter
+                return
+            if sent != len(_KEEPALIVE):
+                # Part of a frame is out and the rest cannot follow without blocking: the stream is
+                # broken for the peer too (see write()).
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            self.send_lock.release()
 
     def flush(self) -> None:
         """Write the replies the reader batched."""

@@ -15,7 +15,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final
@@ -35,6 +35,7 @@ __all__ = [
     "members",
     "membership_token",
     "publish_signed_record",
+    "remove_lost_member",
     "static_group_met",
 ]
 
@@ -229,14 +230,25 @@ def set_members(store: Store, names: list[str]) -> None:
 
 
 @contextmanager
-def membership_token(store: Store, holder: str, timeout: float) -> Iterator[None]:
-    """Hold the dynamic group's token, so that joins and leaves happen one at a time."""
+def membership_token(
+    store: Store, holder: str, timeout: float, lost: Callable[[str], bool] | None = None
+) -> Iterator[None]:
+    """Hold the dynamic group's token, so that joins and leaves happen one at a time.
+
+    A token held by a worker judged lost (``lost(holder)``) is taken over:
+    that worker will not give it back.
+    """
     deadline = time.monotonic() + _seconds(timeout)
     delay = 0.005
     while True:
         current = store.compare_set(_TOKEN_KEY, "", holder).decode()
         if current == holder:
             break
+        if lost is not None and current and lost(current):
+            logger.warning("%s: takes over the membership token of %r, which was lost", holder, current)
+            if store.compare_set(_TOKEN_KEY, current, holder).decode() == holder:
+                break
+            continue
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"{holder}: waited {timeout:g} s for the group membership token, held by {current!r}; "
@@ -248,3 +260,33 @@ def membership_token(store: Store, holder: str, timeout: float) -> Iterator[None
         yield
     finally:
         store.compare_set(_TOKEN_KEY, holder, "")
+
+
+def remove_lost_member(
+    store: Store, me: str, record: WorkerRecord, timeout: float, lost: Callable[[str], bool]
+) -> bool:
+    """Take the lost worker of ``record`` out of the dynamic group: out of the member list, and its
+    record out of the store (so that its name is free to join again); whether this call did.
+
+    Several survivors may try: the first does it. Nothing is removed when the
+    name now belongs to another worker (one that joined under it since), or
+    when ``me`` is no longer a member itself (its peers judged *it* lost:
+    ``RuntimeError``). Holds the membership token (``lost`` tells whose token
+    may be taken over) for at most ``timeout`` seconds.
+    """
+    key = record_key(record.name)
+    with membership_token(store, f"{me} (removing {record.name})", timeout, lost):
+        names = members(store)
+        if me not in names:
+            raise RuntimeError(
+                f"{me} is no longer a member of the group (its peers judged it lost); it does not "
+                f"remove {record.name}"
+            )
+        current = WorkerRecord.from_json(store.get(key)) if store.check([key]) else None
+        if current is not None and current != record:
+            return False  # the name is another worker's now
+        if record.name in names:
+            set_members(store, [n for n in names if n != record.name])
+        if current is not None:
+            store.delete_key(key)
+        return record.name in names or current is not None

@@ -15,6 +15,7 @@ import torch
 from rpc_registry import DEFAULT_INIT_METHOD, DEFAULT_RPC_TIMEOUT_SEC, RpcBackendOptions
 
 __all__ = [
+    "DEFAULT_LIVENESS_TIMEOUT",
     "DEFAULT_NUM_WORKER_THREADS",
     "DeviceMap",
     "DeviceType",
@@ -32,6 +33,13 @@ DeviceMap = dict[torch.device, torch.device]
 
 DEFAULT_NUM_WORKER_THREADS: Final = 16
 """Default number of threads that hand incoming calls to the RPC layer."""
+
+DEFAULT_LIVENESS_TIMEOUT: Final = 30.0
+"""Default ``liveness_timeout``: seconds a connected peer may send nothing before it is judged lost.
+
+Long enough that a live worker whose interpreter is held up for seconds (a
+collection of a large heap, a long call that keeps the GIL) is not judged
+lost, short of the 60 s that a call to a frozen worker would otherwise wait."""
 
 
 def to_device(device: DeviceType) -> torch.device:
@@ -101,8 +109,12 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
     can read it (a warning is logged). ``rendezvous_timeout`` is how long
     ``init_rpc`` waits for the other workers of a static group, in seconds
     (``None``: torch's 30 minutes; a warning names the missing ranks every
-    few seconds). ``_transports`` and ``_channels`` are accepted for
-    compatibility with torch and must be ``None``.
+    few seconds). ``liveness_timeout`` is how long a connected peer may send
+    nothing (not even the keepalive every worker sends each quarter of it)
+    before it is judged lost, in seconds (``0``: never; a peer whose process
+    ended is judged lost at once, from its closed connection, either way);
+    see :mod:`tensorpipe_backend.liveness`. ``_transports`` and ``_channels``
+    are accepted for compatibility with torch and must be ``None``.
 
     Example::
 
@@ -123,6 +135,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         auth_token: str | bytes | None = None,
         insecure: bool = False,
         rendezvous_timeout: float | None = None,
+        liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
     ) -> None:
         if isinstance(num_worker_threads, bool) or not isinstance(num_worker_threads, int):
             raise TypeError(f"num_worker_threads={num_worker_threads!r}: must be an int >= 1")
@@ -163,6 +176,12 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                 f"rendezvous_timeout={rendezvous_timeout!r}: must be seconds > 0, or None for torch's "
                 "30 minutes"
             )
+        live: object = liveness_timeout
+        if isinstance(live, bool) or not isinstance(live, (int, float)) or not 0 <= live < math.inf:
+            raise ValueError(
+                f"liveness_timeout={liveness_timeout!r}: must be seconds >= 0, e.g. "
+                f"{DEFAULT_LIVENESS_TIMEOUT:g} (0: judge a peer lost only when its connection closes)"
+            )
         if device_maps is not None and not isinstance(device_maps, dict):
             raise TypeError(f"device_maps={device_maps!r}: must be a dict from worker name to device map")
         self.num_worker_threads: int = num_worker_threads
@@ -173,6 +192,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
         self.rendezvous_timeout: float | None = (
             None if rendezvous_timeout is None else float(rendezvous_timeout)
         )
+        self.liveness_timeout: float = float(liveness_timeout)
         self._transports = _transports
         self._channels = _channels
         self._device_maps: dict[str, DeviceMap] = {}
@@ -235,7 +255,7 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r}, "
             f"device_maps={self._device_maps}, devices={self._devices}, "
             f"auth_token={'<set>' if self.auth_token is not None else None}, insecure={self.insecure}, "
-            f"rendezvous_timeout={self.rendezvous_timeout})"
+            f"rendezvous_timeout={self.rendezvous_timeout}, liveness_timeout={self.liveness_timeout})"
         )
 
 

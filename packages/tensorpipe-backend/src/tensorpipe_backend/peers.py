@@ -8,6 +8,13 @@ When two workers dial each other at once, the dial of the lower rank wins
 and the other is told to use it. Every connection and lane starts with the
 HMAC handshake of :mod:`tensorpipe_backend.auth`; nothing is read from a peer
 before it passed.
+
+A connection that closes without its peer's goodbye is probed: one connect
+finds out at once whether the peer's process ended (nobody listens: the peer
+is lost, see :mod:`tensorpipe_backend.liveness`) or only the connection did
+(its listener greets; the probe goes no further, the next call dials). A dial
+refused, or unanswered for the liveness timeout, judges the peer lost as
+well; a peer judged lost is refused when it dials back.
 """
 
 from __future__ import annotations
@@ -24,7 +31,14 @@ from typing import Final
 from rpc_registry import WorkerInfo
 from rpc_registry.errors import WorkerNameError
 
-from .auth import AuthenticationError, HandshakeStatus, PeerIdentity, client_handshake, server_handshake
+from .auth import (
+    HELLO_BYTES,
+    AuthenticationError,
+    HandshakeStatus,
+    PeerIdentity,
+    client_handshake,
+    server_handshake,
+)
 from .calls import Calls
 from .connection import Connection
 from .group import WorkerRecord
@@ -35,7 +49,7 @@ from .wire import recv_exact
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-__all__ = ["Peers"]
+__all__ = ["Peers", "RefusedError"]
 
 _HANDSHAKE_TIMEOUT: Final = 30.0  # for a dial: the peer may be busy starting
 # For a connection accepted: the whole handshake, however slowly its bytes trickle in.
@@ -43,6 +57,13 @@ _HANDSHAKE_DEADLINE: Final = 10.0
 _MAX_HANDSHAKES: Final = 64
 _MAX_HANDSHAKES_PER_SOURCE: Final = 16
 _LANE_DIAL_TIMEOUT: Final = 5.0  # the peer just accepted the connection: its lane is as quick
+# How long the probe of a closed connection may take. A dead process's address refuses at once;
+# a peer that does not greet within this is not judged by the probe (later dials may).
+_PROBE_LIMIT: Final = 2.0
+
+
+class RefusedError(ConnectionError):
+    """A peer refuses this worker: it judged this worker lost."""
 
 
 class Peers:
@@ -51,8 +72,12 @@ class Peers:
     ``me`` is this worker and ``secret`` the job's; ``lock`` and ``cond`` are
     the agent's. ``record`` finds a peer's published record (``None``: not in
     the group), ``mine`` this worker's own. ``left`` (shared with the agent)
-    says why each departed peer left. ``spawn`` starts a named thread.
-    ``on_lost`` hears of each peer whose current connection closed, and why.
+    says why each departed peer left, and ``lost`` holds the records of the
+    peers judged lost, which are refused. ``spawn`` starts a named thread.
+    ``judge(peer, why)`` judges a peer lost and returns the reason now in
+    ``left`` (``None``: not judged, e.g. while shutting down).
+    ``liveness_timeout`` (``0``: none) is how long a dial may go unanswered
+    before its peer is judged lost.
     """
 
     def __init__(
@@ -64,10 +89,12 @@ class Peers:
         record: Callable[[str], WorkerRecord | None],
         mine: Callable[[], WorkerRecord | None],
         left: dict[str, str],
+        lost: dict[str, WorkerRecord],
         calls: Calls,
         readers: Readers,
         spawn: Callable[..., None],
-        on_lost: Callable[[Connection, str], None] | None = None,
+        judge: Callable[[WorkerInfo, str], str | None],
+        liveness_timeout: float = 0.0,
     ) -> None:
         self._me = me
         self._secret = secret
@@ -76,10 +103,12 @@ class Peers:
         self._record = record
         self._mine = mine
         self._left = left
+        self._lost = lost
         self._calls = calls
         self._readers = readers
         self._spawn = spawn
-        self._on_lost = on_lost
+        self._judge = judge
+        self._liveness_timeout = liveness_timeout
         self.conns: dict[str, Connection] = {}
         self._dialing: set[str] = set()
         # Sockets accepted and not yet authenticated, oldest first: when: (start, source).
@@ -138,12 +167,20 @@ class Peers:
             raise WorkerNameError(
                 f"worker {name!r} is not in the group (could not find destination); it may have left"
             )
-        limit = _HANDSHAKE_TIMEOUT if deadline is None else max(min(deadline - time.monotonic(), 30.0), 0.01)
+        started = time.monotonic()
+        # A live member answers a dial in milliseconds: one silent for the liveness timeout is lost.
+        window = self._liveness_timeout or _HANDSHAKE_TIMEOUT
+        limit = window if deadline is None else max(min(deadline - started, window), 0.01)
+        info = WorkerInfo(name, record.rank)
         try:
             sock = dial_local(self._mine(), record, limit) or socket.create_connection(
                 (record.host, record.port), timeout=limit
             )
         except OSError as exc:
+            if isinstance(exc, ConnectionRefusedError):
+                why = f"nothing listens at its address any more ({exc}): its process ended"
+                raise ConnectionError(self._lost_text(info, why)) from exc
+            self._judge_silence(info, started, exc)
             raise ConnectionError(
                 f"worker {name} (rank {record.rank}) at {record.host}:{record.port} is unreachable: {exc}"
             ) from exc
@@ -155,10 +192,19 @@ class Peers:
             close_socket(sock)
             if isinstance(exc, AuthenticationError):
                 raise
+            self._judge_silence(info, started, exc)
             raise ConnectionError(f"worker {name}: connecting failed during authentication ({exc})") from exc
         if status is HandshakeStatus.DUPLICATE:
             close_socket(sock)
             return None
+        if status is HandshakeStatus.REFUSED:
+            close_socket(sock)
+            me = self._me.name
+            raise RefusedError(
+                f"worker {name} (rank {record.rank}) refuses {me}: it judged {me} lost (its connection "
+                f"closed, or it sent nothing for the liveness timeout); shut {me} down (in a dynamic "
+                "group it may then join again)"
+            )
         sock.settimeout(None)
         conn = Connection(WorkerInfo(name, record.rank), sock, shared_files(self._mine(), record, sock))
         with self._lock:
@@ -171,6 +217,62 @@ class Peers:
         if conn.shm is None and sock.family != socket.AF_UNIX and conn.lane.claim():
             self._spawn(self._dial_lane, f"lane-{name}", conn, record)
         return conn
+
+    def _lost_text(self, peer: WorkerInfo, why: str) -> str:
+        """Judge ``peer`` lost because of ``why``; the text of the error that says so."""
+        reason = self._judge(peer, why)
+        return f"worker {peer.name} {reason}" if reason else f"worker {peer.name} (rank {peer.id}): {why}"
+
+    def _judge_silence(self, peer: WorkerInfo, started: float, exc: BaseException) -> None:
+        """Judge ``peer`` lost if a dial that began at ``started`` failed with ``exc`` after waiting
+        the whole liveness timeout."""
+        waited = time.monotonic() - started
+        timeout = self._liveness_timeout
+        if timeout and waited >= timeout and isinstance(exc, TimeoutError):
+            self._judge(
+                peer, f"it did not answer a connection for {waited:.1f} s (liveness_timeout={timeout:g})"
+            )
+
+    def probe(self, peer: WorkerInfo) -> str | None:
+        """Find out whether ``peer``, whose connection closed without a goodbye, still listens; what
+        its calls fail with, after ``worker <name>`` (``None``: it listens, or did not tell within
+        the probe's limit).
+
+        A listening worker greets a connection at once (the handshake's hello):
+        the probe reads that and hangs up, making no connection. Nobody
+        listening judges the peer lost. A process that is ending may still
+        accept a connection and then reset it: that is tried again, until its
+        listener refuses.
+        """
+        record = self._record(peer.name)
+        if record is None or record.rank != peer.id:
+            with self._lock:
+                return self._left.get(peer.name)
+        deadline = time.monotonic() + min(self._liveness_timeout or _PROBE_LIMIT, _PROBE_LIMIT)
+        delay = 0.002
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                sock = dial_local(self._mine(), record, remaining) or socket.create_connection(
+                    (record.host, record.port), timeout=remaining
+                )
+            except ConnectionRefusedError as exc:
+                self._judge(peer, f"nothing listens at its address any more ({exc}): its process ended")
+                break
+            except OSError as exc:
+                logger.debug("%s: probing %s: %s", self._me.name, peer.name, exc)
+                break
+            try:
+                sock.settimeout(max(deadline - time.monotonic(), 0.01))
+                recv_exact(sock, HELLO_BYTES)
+                break  # it greets: alive
+            except (OSError, EOFError) as exc:
+                logger.debug("%s: probing %s: %s", self._me.name, peer.name, exc)
+            finally:
+                close_socket(sock)
+            time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+            delay = min(delay * 2, 0.1)
+        with self._lock:
+            return self._left.get(peer.name)
 
     def _dial_lane(self, conn: Connection, record: WorkerRecord) -> None:
         """Give ``conn`` (TCP, to another host, its lane claimed) its lane; without one it carries
@@ -257,6 +359,12 @@ class Peers:
             lane = lane_of(peer.rank)
             rank, port = (peer.rank, None) if lane is None else lane
             record = self._record(peer.name)
+            lost = self._lost.get(peer.name)
+            if lost is not None and lost.rank == rank and (record is None or record == lost):
+                logger.info(
+                    "%s: refused %s, which it judged lost", self._me.name, PeerIdentity(peer.name, rank)
+                )
+                return HandshakeStatus.REFUSED
             if record is None or record.rank != rank:
                 raise AuthenticationError(f"{PeerIdentity(peer.name, rank)} is not a member of the group")
             with self._lock:
@@ -291,7 +399,9 @@ class Peers:
             tune(sock)
             server_handshake(sock, self._secret, PeerIdentity(self._me.name, self._me.id), decide)
         except (OSError, EOFError, struct.error, ValueError) as exc:
-            logger.warning("%s: rejected a connection: %s", self._me.name, exc)
+            # A client that hangs up before its proof (a probe, a scanner) is no threat worth a warning.
+            level = logging.DEBUG if isinstance(exc, EOFError) and not conn else logging.WARNING
+            logger.log(level, "%s: rejected a connection: %s", self._me.name, exc)
             if conn:
                 conn[0].send_lock.release()
                 self.drop(conn[0], f"authentication failed ({exc})")
@@ -324,8 +434,13 @@ class Peers:
         sock.settimeout(None)
         conn.lane.attach(sock)
 
-    def drop(self, conn: Connection, reason: str) -> None:
-        """Close ``conn`` and fail its pending calls, naming the peer and ``reason``."""
+    def drop(self, conn: Connection, reason: str, probe: bool = False) -> None:
+        """Close ``conn`` and fail its pending calls, naming the peer and ``reason``.
+
+        With ``probe`` (the connection ended or failed, and not because of this
+        worker), a peer that did not say goodbye is probed first (see
+        :meth:`probe`): if it was lost, its calls fail saying so.
+        """
         current = False
         with self._lock:
             conn.closed = True
@@ -339,8 +454,8 @@ class Peers:
         if conn.shm is not None:
             conn.shm.close()
         name = conn.peer.name
-        if current and self._on_lost is not None:
-            self._on_lost(conn, f"it {left}" if left else reason)
+        if current and probe and left is None and not self._closed:
+            left = self.probe(conn.peer)
         for entry in pending.values():
             text = f"worker {name} {left}" if left else f"worker {name} (rank {conn.peer.id}): {reason}"
             entry.deliver(ConnectionError(f"{text}; {entry.what} did not complete"))

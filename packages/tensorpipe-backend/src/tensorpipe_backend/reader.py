@@ -69,7 +69,8 @@ class Readers:
     """The reader threads of one agent's connections; a room of ``watch`` (see :mod:`.watch`).
 
     ``me`` names this worker (with ``cuda_count`` devices); ``dispatch``
-    processes each frame read, ``drop`` closes a connection that failed,
+    processes each frame read, ``drop(conn, reason, probe)`` closes a
+    connection that failed (``probe``: it ended or broke, not a malformed frame),
     ``spawn`` starts a named thread, ``submit`` runs a function on the
     worker pool, ``connections`` lists the open connections.
     """
@@ -80,7 +81,7 @@ class Readers:
         cuda_count: int,
         calls: Calls,
         dispatch: Dispatch,
-        drop: Callable[[Connection, str], None],
+        drop: Callable[[Connection, str, bool], None],
         spawn: Callable[..., None],
         submit: Callable[..., None],
         connections: Callable[[], list[Connection]],
@@ -109,7 +110,7 @@ class Readers:
         processes; elsewhere it keeps it. A reader handed the socket
         (``holding``) owns the stream from the start.
         """
-        reason = "the connection closed"
+        reason, probe = "the connection closed", False
         stream = conn.stream
         owner = conn.owner
         data_wait = conn.data_wait
@@ -163,10 +164,10 @@ class Readers:
                     holding = False
                     wait = not stream.buffered
         except (FrameError, OSError, EOFError) as exc:
-            reason = self._read_failure(conn, exc)
+            reason, probe = self._read_failure(conn, exc), not isinstance(exc, FrameError)
         finally:
             if conn.reader is token:
-                self._drop(conn, reason)
+                self._drop(conn, reason, probe)
             if holding and owner.get(OWNER) is token:
                 owner.pop(OWNER, None)
 
@@ -196,7 +197,7 @@ class Readers:
         owner, stream, session = conn.owner, conn.stream, _Session()
         if owner.setdefault(OWNER, session) is not session:
             return  # the reader thread is reading: it hands the reply over
-        reason = None
+        reason, probe = None, False
         try:
             data_wait.pause()  # the reader thread sleeps through this reply
             taken: tuple[Kind, bytes, list[TensorDescriptor]] | bool = not stream.buffered
@@ -226,10 +227,10 @@ class Readers:
                 else:
                     reply.set(Message(payload, tensors))
         except (FrameError, OSError, EOFError) as exc:
-            reason = self._read_failure(conn, exc)
+            reason, probe = self._read_failure(conn, exc), not isinstance(exc, FrameError)
         finally:
             if reason is not None:
-                self._drop(conn, reason)
+                self._drop(conn, reason, probe)
             _end_session(conn, session)
 
     def _heal(self, conn: Connection) -> None:

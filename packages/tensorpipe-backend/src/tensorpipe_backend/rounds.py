@@ -9,7 +9,9 @@ break a gloo group listening on its own ports).
 
 A round fails at once when a worker it waits for is lost (the agent calls
 :meth:`GroupRounds.lost`), naming that worker; rank 0 tells the others why a
-round failed. Every wait has a limit, and its error gives the time actually
+round failed. A round that may go on without the lost (``skip_lost``: the
+shutdown's count of calls in flight) does not wait for them at rank 0; one
+whose rank 0 is lost fails everywhere. Every wait has a limit, and its error gives the time actually
 waited and, on rank 0, the ranks that did not arrive.
 """
 
@@ -77,6 +79,11 @@ class GroupRounds:
         self._closed: str | None = None
 
     @property
+    def coordinator(self) -> str:
+        """The name of rank 0, through which every round goes."""
+        return self._names[0]
+
+    @property
     def world_size(self) -> int:
         """The number of workers in the group."""
         return len(self._names)
@@ -85,12 +92,14 @@ class GroupRounds:
         """Block until every worker reached this barrier (``timeout`` seconds, 0: no limit)."""
         self.exchange(b"", timeout, what)
 
-    def sum(self, value: int, timeout: float, what: str) -> int:
-        """The sum of every worker's ``value``."""
-        return sum(_SUM.unpack(part)[0] for part in self.exchange(_SUM.pack(value), timeout, what))
+    def sum(self, value: int, timeout: float, what: str, skip_lost: bool = False) -> int:
+        """The sum of every worker's ``value`` (with ``skip_lost``, of every worker not lost)."""
+        parts = self.exchange(_SUM.pack(value), timeout, what, skip_lost)
+        return sum(_SUM.unpack(part)[0] for part in parts if part)
 
-    def exchange(self, data: bytes, timeout: float, what: str) -> list[bytes]:
-        """Every worker's ``data``, by rank.
+    def exchange(self, data: bytes, timeout: float, what: str, skip_lost: bool = False) -> list[bytes]:
+        """Every worker's ``data``, by rank; with ``skip_lost``, rank 0 does not wait for the workers
+        lost, whose parts are then empty.
 
         Raises:
             TimeoutError: not every worker arrived within ``timeout`` (rank 0 names who did not).
@@ -102,7 +111,7 @@ class GroupRounds:
         with self._cond:
             self._current = number
         if self._rank == 0:
-            return self._gather(number, data, started, deadline, what)
+            return self._gather(number, data, started, deadline, what, skip_lost)
         self._send(self._names[0], number, data)
         with self._cond:
             while number not in self._results:
@@ -118,18 +127,25 @@ class GroupRounds:
             raise RoundFailedError(f"{what} failed at rank 0: {answer[1:].decode(errors='replace')}")
         return _decode_list(answer[1:], self.world_size)
 
-    def _gather(self, number: int, data: bytes, started: float, deadline: float, what: str) -> list[bytes]:
+    def _gather(
+        self, number: int, data: bytes, started: float, deadline: float, what: str, skip_lost: bool
+    ) -> list[bytes]:
         others = range(1, self.world_size)
+
+        def awaited() -> list[int]:
+            return [r for r in others if r not in inbox and not (skip_lost and r in self._lost)]
+
         with self._cond:
             inbox = self._inbox.setdefault(number, {})
             inbox[0] = data
             failure: Exception | None = None
             try:
-                while len(inbox) < self.world_size:
-                    missing = [r for r in others if r not in inbox]
+                while missing := awaited():
                     self._check(started, what, missing)
                     if not self._cond.wait(timeout=max(deadline - time.monotonic(), 0.0)):
-                        missing = [r for r in others if r not in inbox]
+                        missing = awaited()
+                        if not missing:
+                            break
                         self._check(started, what, missing)
                         raise TimeoutError(
                             f"waited {time.monotonic() - started:.1f} s for all {self.world_size} workers "
@@ -143,7 +159,7 @@ class GroupRounds:
             arrived = [r for r in others if r in inbox]
             self._tell_others(number, bytes([_FAILED]) + str(failure).encode(), arrived)
             raise failure
-        parts = [inbox[r] for r in range(self.world_size)]
+        parts = [inbox.get(r, b"") for r in range(self.world_size)]
         self._tell_others(number, bytes([_DATA]) + _encode_list(parts), list(others))
         return parts
 
@@ -191,7 +207,8 @@ class GroupRounds:
             self._cond.notify_all()
 
     def lost(self, rank: int, reason: str) -> None:
-        """The connection to the worker of ``rank`` is gone: rounds waiting for it fail at once."""
+        """The worker of ``rank`` was lost: rounds waiting for it fail at once (or, with
+        ``skip_lost``, go on without it)."""
         with self._cond:
             self._lost.setdefault(rank, reason)
             self._cond.notify_all()

@@ -347,11 +347,14 @@ class FrameReader:
     """Reads frames from a socket through one buffer, so that one ``recv`` may bring many small frames.
 
     Tensor data is copied out of the buffer as far as it is there, and the
-    rest received straight into the tensor's memory.
+    rest received straight into the tensor's memory. ``received`` counts the
+    bytes taken from the socket: it moves while a long frame arrives, which
+    shows the peer alive (:mod:`tensorpipe_backend.liveness`).
     """
 
     def __init__(self, sock: socket.socket, size: int = _READ_BUFFER) -> None:
         self._sock = sock
+        self.received = 0
         self._buffer = bytearray(size)
         self._view = memoryview(self._buffer)
         self._start = 0
@@ -417,6 +420,8 @@ class FrameReader:
             self._start = offset + length
         elif self._sock.recv_into(self._peek, length, socket.MSG_WAITALL) != length:
             raise EOFError("connection closed within a frame")
+        else:
+            self.received += length
         return header.kind, payload, descriptors
 
     def read_frame(self) -> tuple[FrameHeader, list[TensorDescriptor], bytes]:
@@ -461,8 +466,13 @@ class FrameReader:
         count = min(len(view), self._end - self._start)
         view[:count] = self._view[self._start : self._start + count]
         self._start += count
-        if count < len(view):
-            recv_into(self._sock, view[count:])
+        size = len(view)
+        while count < size:
+            got = self._sock.recv_into(view[count:], size - count)
+            if got == 0:
+                raise EOFError(f"connection closed after {count} of {size} bytes")
+            count += got
+            self.received += got
 
     def _fill(self, need: int) -> None:
         if self._end - self._start >= need:
@@ -476,6 +486,7 @@ class FrameReader:
             if count == 0:
                 raise EOFError(f"connection closed after {self._end - self._start} of {need} bytes")
             self._end += count
+            self.received += count
 
 
 def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
