@@ -354,7 +354,7 @@ class FrameReader:
 
     def __init__(self, sock: socket.socket, size: int = _READ_BUFFER) -> None:
         self._sock = sock
-        self.received = 0
+        self.received: int = 0
         self._buffer = bytearray(size)
         self._view = memoryview(self._buffer)
         self._start = 0
