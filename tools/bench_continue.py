@@ -9,7 +9,10 @@ on healthy iterations, and how long the survivors take to go on.
   and frozen (SIGSTOP, goal <= liveness timeout + 2 s). Beside it, torchrun's
   answer: ``--max-restarts 1``, from the loss to the restarted job's first
   completed iteration (new processes, rendezvous, process group; no
-  checkpoint to load, so a lower bound).
+  checkpoint to load, so a lower bound). And torchft's: 3 replica groups
+  of one process on the same MLP, from the loss to the survivors' next
+  committed step (tools/bench_torchft.py; in an environment of its own, and
+  named with the reason where it cannot run).
 
 Times across processes are CLOCK_MONOTONIC readings, which every process of
 one Linux host shares.
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_torchft import torchft_figures
 from benchlib import Figure
 from torch.profiler import ProfilerActivity, profile
 
@@ -245,6 +249,8 @@ def continue_figures(rounds: int, quick: bool) -> list[Figure]:
                 reference="torchrun --max-restarts 1, to the restarted job's first iteration",
             )
         )
+        if how == "kill":
+            figures += torchft_figures(seconds, 1 if quick else 3)
     return figures
 
 

@@ -38,11 +38,12 @@ def write_results(figures: list[Figure], rounds: int, out: Path, load: list[str]
         "|---|---|---|---|---|---|---|",
     ]
     for f in figures:
-        ratio = (
-            f"{f.ratio:.2f}x"
-            if f.goal.endswith("x") or f.goal in ("<= torch", "(context)")
-            else f"{f.ratio:+.1f}"
-        )
+        if f.ratio != f.ratio:  # NaN: the reference could not run
+            ratio = "-"
+        elif f.goal.endswith("x") or f.goal in ("<= torch", "(context)"):
+            ratio = f"{f.ratio:.2f}x"
+        else:
+            ratio = f"{f.ratio:+.1f}"
         lines.append(
             f"| {f.name} | {f.unit} | {f.ours:.3g} | {_reference(f)} | {f.goal} | {ratio} | {'yes' if f.met else 'NO'} |"
         )

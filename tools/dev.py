@@ -17,8 +17,8 @@ use, then reused until what they were made from changes:
     .venvs/run              over torch: every package, pytest, rich, matplotlib
     .venvs/check            over run: mypy, ruff, build, twine, mkdocs, ...
     .venvs/suites           over run: expecttest (torch's test suites need it)
-    .venvs/peer-<name>      over torch: a peer the benchmark compares us with (bench --peers),
-                            pinned by PEERS
+    .venvs/peer-<name>      over torch: a peer the benchmark compares us with (bench --peers;
+                            torchft: bench's continue section), pinned by PEERS
 
 An environment "over" another is a virtual environment whose site-packages
 adds the other's (a .pth file), so torch is installed once and each package's
@@ -60,9 +60,19 @@ VENVS = ROOT / ".venvs" / f"torch-{TORCH}" if TORCH else ROOT / ".venvs"
 
 BUILD_BACKEND = ("hatchling>=1.26", "editables>=0.5")
 TEST_TOOLS = ("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
-#: What users would pick instead of our RPC, pinned: ``bench --peers`` measures each in an
-#: environment of its own over .venvs/torch, so that they reuse its CPU torch.
-PEERS = {"ray": ("ray==2.60.0",), "monarch": ("torchmonarch==0.7.0",)}
+#: What users would pick instead of ours, pinned: ``bench --peers`` measures Ray and Monarch
+#: against our RPC, bench's continue section torchft against on_rank_lost="continue", each in
+#: an environment of its own over .venvs/torch, so that they reuse its CPU torch.
+PEERS = {
+    "ray": ("ray==2.60.0",),
+    "monarch": ("torchmonarch==0.7.0",),
+    "torchft": (
+        "torchft==0.2.0",
+        "opentelemetry-api==1.45.2",
+        "opentelemetry-sdk==1.45.2",
+        "opentelemetry-exporter-otlp-proto-http==1.45.2",
+    ),
+}
 CHECK_TOOLS = (
     "mypy==2.4.1",
     "ruff==0.17.6",
