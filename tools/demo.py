@@ -25,8 +25,10 @@ model, equal to a single-process run over the batches each rank trained on.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -250,6 +252,7 @@ def summarize(console: Console, results: list[dict[str, Any]], joined: list[int]
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it is, on request (tests)
     start = time.monotonic()
     try:
         code = main(sys.argv[1:])

@@ -169,7 +169,17 @@ def test_ctrl_c_stops_the_demo_and_its_ranks_with_one_line() -> None:
             below = _descendants(proc.pid)
             ranks = {p: c for p, c in below.items() if "train_coordinated.py" in c and " -c " not in c}
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
-        out, _ = proc.communicate(timeout=60)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Where it is stuck: the demo dumps its threads' stacks on SIGUSR1.
+            for pid, command in _descendants(proc.pid).items():
+                if "tools/demo.py" in command and " -c " not in command:
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(2)
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=30)
+            raise AssertionError(f"the demo did not stop within 60 s of Ctrl-C:\n{out}") from None
         assert proc.returncode == 130, out
         assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
         assert [line for line in out.splitlines() if "interrupted" in line] == [

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddp_join import DistributedDataParallel, FSDPJoinable, UnevenDistributedSampler, ZeroRedundancyOptimizer
-from join_core import Join, RankRemovedError, spare_connections
+from join_core import Join, RankLostError, RankRemovedError, spare_connections
 from join_core.testing import RanksFailedError, run_ranks
 
 LIVENESS = timedelta(seconds=2)
@@ -227,28 +227,47 @@ def test_zero_survivors_keep_the_lost_shard_and_finish_exactly(lost: int, where:
     assert list(failed.value.failures) == [lost], str(failed.value)
 
 
-def _refusals(rank: int, world_size: int) -> list[str]:
-    messages = []
+def _refusal(rank: int, world_size: int) -> str:
     model = DistributedDataParallel(make_model())
     unreplicated = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError) as refused, Join([model, unreplicated], on_rank_lost="continue"):
         pass
-    messages.append(str(refused.value))
+    return str(refused.value)
+
+
+def test_zero_without_replicas_is_refused_before_training() -> None:
+    zero = run_ranks(_refusal, 2)[0]
+    assert "ZeroRedundancyOptimizer needs shard_replicas=1" in zero, zero
+
+
+def _fsdp_cannot_go_on(rank: int, world_size: int) -> None:
+    """FSDP2 cannot go on without a lost rank: warned at the start, RankLostError saying so at the loss."""
+    pids = _pids(rank, world_size)
     sharded = make_model()
     fully_shard(sharded)
-    joinable = FSDPJoinable(sharded, torch.optim.SGD(sharded.parameters(), lr=0.1))
-    with pytest.raises(ValueError) as refused:
-        Join([joinable], on_rank_lost="continue")
-    messages.append(str(refused.value))
-    return messages
+    optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="FSDPJoinable cannot go on without a lost rank"):
+        join = Join([FSDPJoinable(sharded, optimizer)], on_rank_lost="continue", liveness_timeout=LIVENESS)
+    try:
+        with pytest.raises(RankLostError) as lost, join:
+            for step in range(STEPS):
+                optimizer.zero_grad()
+                loss = loss_fn(sharded, *batch(rank, step))
+                if rank == 2 and step == LOST_AT:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                loss.backward()
+                optimizer.step()
+        assert list(lost.value.ranks) == [2], str(lost.value)
+        assert "FSDPJoinable cannot do without a lost rank" in str(lost.value), str(lost.value)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pids[2], signal.SIGKILL)
 
 
-def test_joinables_that_cannot_go_on_are_refused_before_training() -> None:
-    zero, fsdp = run_ranks(_refusals, 2)[0]
-    assert "ZeroRedundancyOptimizer needs shard_replicas=1" in zero, zero
-    assert fsdp.startswith("Join(on_rank_lost='continue'): FSDPJoinable cannot go on without a lost rank"), (
-        fsdp
-    )
+def test_fsdp2_under_continue_is_warned_and_raises_at_a_loss() -> None:
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_fsdp_cannot_go_on, 3, timeout=90)
+    assert list(failed.value.failures) == [2], str(failed.value)
 
 
 SAMPLES = 40

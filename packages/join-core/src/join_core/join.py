@@ -370,6 +370,9 @@ class Join:
             raise failure
         if not isinstance(verdict, RankLostError) or self._on_rank_lost != "continue":
             raise verdict from failure
+        stuck = _cannot_go_on(self._joinables, self._hooks)
+        if stuck:
+            raise RankLostError(verdict.ranks, detail=self._stuck_detail(stuck)) from failure
         watch.release_group()  # survivors blocked on this one in the old group fail now, and join in
         newly = {self._members[rank]: seen for rank, seen in verdict.ranks.items()}
         lost = {**self._lost, **newly}
@@ -439,15 +442,30 @@ class Join:
 
     def _raise_if_rank_lost(self, failure: BaseException) -> bool:
         """Raise the watch's verdict (RankLostError, CollectiveDesyncError)
-        from ``failure`` if a collective failed because of it; otherwise return False."""
-        if isinstance(failure, (RankLostError, CollectiveDesyncError)):
+        from ``failure`` if a collective failed because of it; otherwise return False.
+        With ``on_rank_lost="continue"``, a loss that reaches here is one no joinable
+        could go on from: the error says which could not."""
+        verdict: BaseException | None = failure
+        if not isinstance(failure, (RankLostError, CollectiveDesyncError)):
+            if self._liveness is None or not _is_communication_failure(failure):
+                return False
+            verdict = self._liveness.wait_for_failure()
+        stuck = _cannot_go_on(self._joinables, self._hooks)
+        # (type, not isinstance: a removed rank's own RankRemovedError stays as it is)
+        if type(verdict) is RankLostError and self._on_rank_lost == "continue" and stuck:
+            raise RankLostError(verdict.ranks, detail=self._stuck_detail(stuck)) from failure
+        if verdict is failure:
             return True  # already the verdict (a collective's wait raised it)
-        if self._liveness is None or not _is_communication_failure(failure):
-            return False
-        verdict = self._liveness.wait_for_failure()
         if verdict is not None:
             raise verdict from failure
         return False
+
+    @staticmethod
+    def _stuck_detail(stuck: list[str]) -> str:
+        return (
+            f"Join(on_rank_lost='continue') cannot go on: {', '.join(stuck)} cannot do without a lost rank "
+            "(FSDP2's shards have no copy elsewhere); restart from a checkpoint"
+        )
 
     def _shadow_until_all_joined(self) -> None:
         is_last_joiner = True
@@ -678,13 +696,24 @@ def _check_on_rank_lost(
                 "Join(on_rank_lost='continue', liveness_timeout=None): a lost rank is found by the "
                 "liveness watch; give a liveness_timeout"
             )
-        for joinable, hook in zip(joinables, hooks):
-            if type(hook).regroup_hook is JoinHook.regroup_hook:
-                raise ValueError(
-                    f"Join(on_rank_lost='continue'): {type(joinable).__name__} cannot go on without a lost "
-                    "rank (its hook has no regroup_hook); use on_rank_lost='raise'"
-                )
+        stuck = _cannot_go_on(joinables, hooks)
+        if stuck:
+            warnings.warn(
+                f"Join(on_rank_lost='continue'): {', '.join(stuck)} cannot go on without a lost rank "
+                "(its hook has no regroup_hook): a loss raises RankLostError as with on_rank_lost='raise'",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return on_rank_lost
+
+
+def _cannot_go_on(joinables: list[Joinable], hooks: list[JoinHook]) -> list[str]:
+    """The names of the joinables whose hooks cannot move onto a survivors' group."""
+    return [
+        type(joinable).__name__
+        for joinable, hook in zip(joinables, hooks)
+        if type(hook).regroup_hook is JoinHook.regroup_hook
+    ]
 
 
 def _global_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
