@@ -123,7 +123,19 @@ def _running(pids: list[int]) -> list[int]:
 )
 def test_a_signal_to_dev_demo_stops_every_rank(target: str, signum: int) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "tools/dev.py", "demo", "--base", "1000000", "--extra", "0"],
+        # Ctrl-C acts on a terminal's foreground job, even when these tests run in the background of
+        # a shell without job control, which makes its jobs ignore SIGINT (inherited across exec).
+        [
+            sys.executable,
+            "-c",
+            _SIGINT_AT_DEFAULT,
+            "tools/dev.py",
+            "demo",
+            "--base",
+            "1000000",
+            "--extra",
+            "0",
+        ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -150,10 +162,28 @@ def test_a_signal_to_dev_demo_stops_every_rank(target: str, signum: int) -> None
         proc.wait(timeout=30)
 
 
+_SIGINT_AT_DEFAULT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_ctrl_c_stops_the_demo_and_its_ranks_with_one_line() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "tools/dev.py", "demo", "--base", "1000000", "--extra", "0"],
+        # Ctrl-C acts on a terminal's foreground job, even when these tests run in the background of
+        # a shell without job control, which makes its jobs ignore SIGINT (inherited across exec).
+        [
+            sys.executable,
+            "-c",
+            _SIGINT_AT_DEFAULT,
+            "tools/dev.py",
+            "demo",
+            "--base",
+            "1000000",
+            "--extra",
+            "0",
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
