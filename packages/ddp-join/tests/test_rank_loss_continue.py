@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,4 +345,29 @@ def _spared_connection_survives(rank: int, world_size: int) -> None:
 def test_connections_a_library_spares_outlive_the_loss() -> None:
     with pytest.raises(RanksFailedError) as failed:
         run_ranks(_spared_connection_survives, 3, timeout=90)
+    assert list(failed.value.failures) == [2], str(failed.value)
+
+
+def _lose_rank_over_a_file_store(rank: int, world_size: int, path: str) -> None:
+    """The same run over a FileStore (no process serves it): rank 2 killed, the others exact."""
+    dist.destroy_process_group()  # run_ranks' group, over its TCPStore; this run uses the file
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world_size)
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=TINY_BUCKETS_MB)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model], on_rank_lost="continue", liveness_timeout=LIVENESS) as join:
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            loss = loss_fn(model, *batch(rank, step))
+            if rank == 2 and step == LOST_AT:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss.backward()
+            optimizer.step()
+    assert list(join.lost_ranks) == [2], join.lost_ranks
+    expected = reference([STEPS, STEPS, LOST_AT], lambda p: torch.optim.SGD(p, lr=0.1))
+    torch.testing.assert_close(flat_params(model.module), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_survivors_go_on_over_a_file_store(tmp_path: Path) -> None:
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_lose_rank_over_a_file_store, 3, str(tmp_path / "store"), timeout=90)
     assert list(failed.value.failures) == [2], str(failed.value)
