@@ -196,8 +196,17 @@ def _zero_loses_rank(rank: int, world_size: int, lost: int, where: str) -> None:
     LOST_AT; the survivors end with the reference's parameters and optimizer state."""
     model = DistributedDataParallel(make_model(), bucket_cap_mb=TINY_BUCKETS_MB)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01, shard_replicas=1)
+    current = [0]
+
+    def lose_between_buckets(grad: torch.Tensor) -> torch.Tensor:
+        if rank == lost and current[0] == LOST_AT and where == "between-buckets":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+    next(model.module.parameters()).register_hook(lose_between_buckets)  # its gradient comes last
     with Join([model, optimizer], on_rank_lost="continue", liveness_timeout=LIVENESS) as join:
         for step in range(STEPS):
+            current[0] = step
             optimizer.zero_grad()
             loss = loss_fn(model, *batch(rank, step))
             if rank == lost and step == LOST_AT and where == "forward":
@@ -208,7 +217,7 @@ def _zero_loses_rank(rank: int, world_size: int, lost: int, where: str) -> None:
             optimizer.step()
     assert list(join.lost_ranks) == [lost], join.lost_ranks
     contributed = [STEPS] * world_size
-    contributed[lost] = LOST_AT if where == "forward" else LOST_AT + 1
+    contributed[lost] = LOST_AT + 1 if where == "step" else LOST_AT
     expected_params, expected_state = _adam_reference(contributed)
     torch.testing.assert_close(flat_params(model.module), expected_params, rtol=1e-5, atol=1e-6)
     optimizer.consolidate_state_dict(to=0)
@@ -220,7 +229,7 @@ def _zero_loses_rank(rank: int, world_size: int, lost: int, where: str) -> None:
                 torch.testing.assert_close(state[index][key], value, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("where", ["forward", "step"])
+@pytest.mark.parametrize("where", ["forward", "between-buckets", "step"])
 @pytest.mark.parametrize("lost", [0, 2])
 def test_zero_survivors_keep_the_lost_shard_and_finish_exactly(lost: int, where: str) -> None:
     with pytest.raises(RanksFailedError) as failed:
