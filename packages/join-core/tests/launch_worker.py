@@ -39,11 +39,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--pid-dir", type=Path, default=None, help="where each rank writes 'PID AGENT_PID'")
     args = parser.parse_args(argv)
     rank = int(os.environ["RANK"])
-    if args.pid_dir is not None:
-        (args.pid_dir / f"rank-{rank}").write_text(f"{os.getpid()} {os.getppid()}")
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     dist.barrier()
     dist.destroy_process_group()
+    if args.pid_dir is not None:  # after the group: a test that kills a rank then leaves the others whole
+        (args.pid_dir / f"rank-{rank}").write_text(f"{os.getpid()} {os.getppid()}")
     if rank in args.kill:
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == args.raise_:
