@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 from training_common import (
     FEATURES,
     TRUE_WEIGHTS,
+    full_tensor,
     make_batch,
     make_model,
     make_parser,
@@ -112,12 +112,7 @@ def main(argv: list[str]) -> int:
                 totals[0] += losses_per_sample.double().sum()
                 totals[1] += len(y)
         dist.all_reduce(totals)
-        params = torch.cat(
-            [
-                (p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1).cpu()
-                for p in model.parameters()
-            ]
-        )
+        params = torch.cat([full_tensor(p).reshape(-1) for p in model.parameters()])
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -16,6 +16,7 @@ from typing import Any, Final
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 import rpc_registry
 from tensorpipe_backend import TensorPipeRpcBackendOptions
@@ -130,6 +131,21 @@ def make_batch(batch_id: int, device: torch.device | str = "cpu") -> tuple[torch
 
 def flat(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole of a sharded parameter, on the CPU, on every rank: torch
+    2.11's ``DTensor.full_tensor()`` crashes (SIGSEGV) on CUDA tensors over
+    gloo, so there FSDP2's dim-0 shards are gathered with ``all_gather_object``."""
+    if not isinstance(value, DTensor):
+        return value.detach().cpu()
+    group = value.device_mesh.get_group()
+    if value.device.type == "cpu" or dist.get_backend(group) != "gloo":
+        return value.full_tensor().detach().cpu()
+    assert value.placements == (Shard(0),), value.placements
+    shards: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shards, value.to_local().detach().cpu(), group=group)
+    return torch.cat(shards)
 
 
 def reference_dense(

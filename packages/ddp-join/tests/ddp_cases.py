@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 # (device, backend) cells: CPU over gloo always; CUDA over gloo on one GPU,
 # over NCCL with one GPU per rank.
@@ -79,3 +81,21 @@ def reference(
             p.grad = acc / divisor
         optimizer.step()
     return flat_params(model)
+
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole of a sharded parameter or state, on the CPU, on every rank.
+
+    torch 2.11's ``DTensor.full_tensor()`` crashes (SIGSEGV in its functional
+    all-gather) on CUDA tensors over gloo, so there the dim-0 shards FSDP2
+    makes are gathered with ``all_gather_object``.
+    """
+    if not isinstance(value, DTensor):
+        return value.detach().cpu()
+    group = value.device_mesh.get_group()
+    if value.device.type == "cpu" or dist.get_backend(group) != "gloo":
+        return value.full_tensor().detach().cpu()
+    assert value.placements == (Shard(0),), value.placements
+    shards: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shards, value.to_local().detach().cpu(), group=group)
+    return torch.cat(shards)

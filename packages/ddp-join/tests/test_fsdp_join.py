@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ddp_cases import DEVICES, batch, flat_params, loss_fn, make_model, rank_device, reference
+from ddp_cases import DEVICES, batch, flat_params, full_tensor, loss_fn, make_model, rank_device, reference
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -38,14 +38,11 @@ def _make_optimizer(name: str, params: object) -> torch.optim.Optimizer:
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     assert isinstance(tensor, DTensor)
-    return tensor.full_tensor().detach().cpu()
+    return full_tensor(tensor)
 
 
 def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
-        for key, value in model.state_dict().items()
-    }
+    return {key: full_tensor(value) for key, value in model.state_dict().items()}
 
 
 def _train(
