@@ -53,6 +53,8 @@ __all__ = [
 
 #: How many collectives the recorder keeps (across all groups).
 DEFAULT_CAPACITY: Final = 2048
+#: How many works may be pending before completed ones are swept out (doubling with those that stay).
+_SWEEP_AT: Final = 8
 #: The environment variable that turns recording off when "0".
 RECORD_VARIABLE: Final = "JOIN_CORE_RECORD"
 #: How long a failed collective waits for a watch's verdict to explain it.
@@ -171,6 +173,7 @@ class CollectiveRecorder:
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.enabled: bool = os.environ.get(RECORD_VARIABLE, "1") != "0"
         self._records: deque[CollectiveRecord] = deque(maxlen=capacity)
+        self._capacity = capacity
         self._counters: dict[dist.ProcessGroup, Iterator[int]] = {}
         self._names: dict[dist.ProcessGroup, str] = {}
         self._pending: dict[int, tuple[Any, CollectiveRecord]] = {}  # id(work) -> (work, record)
@@ -178,6 +181,8 @@ class CollectiveRecorder:
         # group name -> what may explain a failed wait at once (a watch judging a closed connection)
         self._explainers: dict[str, Callable[[BaseException], None]] = {}
         self._lock = threading.Lock()
+        self._work_types: set[type] = {dist.Work}  # whose wait() reports to the recorder
+        self._sweep_at = _SWEEP_AT
 
     def records(self, group: str | None = None) -> list[CollectiveRecord]:
         """The kept records, oldest first (of ``group`` only, if given)."""
@@ -268,15 +273,25 @@ class CollectiveRecorder:
             function,
         )
         self._records.append(record)
-        if len(self._pending) > 8:
-            self._sweep()
         return record
 
     def _issued(self, work: Any, record: CollectiveRecord) -> None:
         if work is None:  # the backend completed it in the call
             record.ended = time.time()
-        else:
-            self._pending[id(work)] = (work, record)
+            return
+        kind = type(work)
+        if kind not in self._work_types:
+            self._work_types.add(kind)
+            _see_waits_of(self, kind)
+        pending = self._pending
+        pending[id(work)] = (work, record)
+        if len(pending) > self._sweep_at:
+            self._sweep()
+            # Works nobody waits on and whose backend never says they completed:
+            # forgotten, oldest first, so neither memory nor the sweep grows.
+            for key in list(itertools.islice(pending, max(0, len(pending) - self._capacity))):
+                pending.pop(key, None)
+            self._sweep_at = max(_SWEEP_AT, 2 * len(pending))
 
     def _waited(self, work: Any, error: BaseException | None) -> None:
         entry = self._pending.pop(id(work), None)
@@ -424,6 +439,17 @@ def _wrap_wait(rec: CollectiveRecorder, original: Callable[..., Any]) -> Callabl
     wait.__doc__ = original.__doc__
     wait.__wrapped__ = original  # type: ignore[attr-defined]
     return wait
+
+
+def _see_waits_of(rec: CollectiveRecorder, kind: type) -> None:
+    """Make ``kind.wait()`` report to ``rec`` when ``kind`` (a backend's own
+    ``Work``, torch's fake one) defines its own, which ``Work.wait``'s wrapper
+    does not see; a class that refuses is left to the sweep."""
+    own = kind.__dict__.get("wait")
+    if own is None or getattr(own, "__wrapped__", None) is not None:
+        return
+    with contextlib.suppress(TypeError, AttributeError):
+        kind.wait = _wrap_wait(rec, own)  # type: ignore[attr-defined]
 
 
 def _only_watched_group() -> str | None:
