@@ -174,8 +174,7 @@ class CollectiveRecorder:
         self.enabled: bool = os.environ.get(RECORD_VARIABLE, "1") != "0"
         self._records: deque[CollectiveRecord] = deque(maxlen=capacity)
         self._capacity = capacity
-        self._counters: dict[dist.ProcessGroup, Iterator[int]] = {}
-        self._names: dict[dist.ProcessGroup, str] = {}
+        self._groups: dict[dist.ProcessGroup, tuple[str, Iterator[int]]] = {}  # -> its name, its numbers
         self._pending: dict[int, tuple[Any, CollectiveRecord]] = {}  # id(work) -> (work, record)
         self._verdicts: dict[str, BaseException] = {}  # group name -> the fatal verdict
         # group name -> what may explain a failed wait at once (a watch judging a closed connection)
@@ -250,27 +249,24 @@ class CollectiveRecorder:
         dtypes_only: bool,
         caller: FrameType,
     ) -> CollectiveRecord:
-        name = self._names.get(group)
-        if name is None:
+        known = self._groups.get(group)
+        if known is None:
             with self._lock:
-                name = self._names[group] = group.group_name
-                self._counters[group] = itertools.count(1)
+                known = self._groups[group] = (group.group_name, itertools.count(1))
+        name = known[0]
         verdict = self._verdicts.get(name)
         if verdict is not None:
             raise verdict
         code, offset, function = _user_frame(caller)
+        if len(tensors) == 1:  # the common case, without the generators
+            tensor = tensors[0]
+            shapes: tuple[tuple[int, ...], ...] = () if dtypes_only else (tuple(tensor.shape),)
+            dtypes: tuple[str, ...] = (_DTYPE_NAMES.get(tensor.dtype) or _dtype_name(tensor.dtype),)
+        else:
+            shapes = () if dtypes_only else tuple(tuple(t.shape) for t in tensors)
+            dtypes = tuple(_DTYPE_NAMES.get(t.dtype) or _dtype_name(t.dtype) for t in tensors)
         record = CollectiveRecord(
-            next(self._counters[group]),
-            op,
-            name,
-            () if dtypes_only else tuple(tuple(t.shape) for t in tensors),
-            tuple(_DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch.") for t in tensors),
-            time.time(),
-            None,
-            None,
-            code,
-            offset,
-            function,
+            next(known[1]), op, name, shapes, dtypes, time.time(), None, None, code, offset, function
         )
         self._records.append(record)
         return record
@@ -479,6 +475,10 @@ def watching(group: str, delta: int) -> None:
     """Count a watch of ``group`` starting (+1) or ending (-1); while none
     watches it, a failed collective waits for no verdict."""
     _watched_groups[group] = _watched_groups.get(group, 0) + delta
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
