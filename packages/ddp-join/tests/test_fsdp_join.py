@@ -275,3 +275,31 @@ def test_shadow_collectives_beside_fsdp_shadow_the_loops_all_reduce(closure: boo
         assert logged == longest[: len(logged)], f"rank {rank}"
         for key in state:
             assert torch.equal(state[key], results[0][0][key]), f"rank {rank}: {key}"
+
+
+EVAL_COUNTS = [3, 2, 2]  # the longest rank's last batch is the only one the others shadow
+
+
+def _evaluate_with_logging(rank: int, world_size: int) -> list[float]:
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged: list[float] = []
+    with torch.no_grad(), Join([FSDPJoinable(model, optimizer), ShadowCollectives()]):
+        for step in range(EVAL_COUNTS[rank]):
+            synced = loss_fn(model, *batch(rank, step))
+            dist.all_reduce(synced)  # a metric synced on every step
+            logged.append(float(synced))
+    return logged
+
+
+@pytest.mark.timeout(240)
+def test_shadow_collectives_beside_fsdp_shadow_an_evaluation_loop() -> None:
+    world_size = 3
+    results = run_ranks(_evaluate_with_logging, world_size, timeout=120)
+    model = make_model()
+    with torch.no_grad():
+        losses = [[float(loss_fn(model, *batch(r, s))) for s in range(EVAL_COUNTS[r])] for r in range(3)]
+    # Each step's sum is over the ranks that had a batch: a joined rank adds 0.
+    expected = [sum(losses[r][s] for r in range(3) if s < EVAL_COUNTS[r]) for s in range(max(EVAL_COUNTS))]
+    for rank, logged in enumerate(results):
+        assert logged == pytest.approx(expected[: EVAL_COUNTS[rank]], rel=1e-5), f"rank {rank}"

@@ -15,8 +15,8 @@ from typing import Any, Final, TypeAlias
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.autograd import Variable
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ddp_join._groups import all_gather_bytes
@@ -318,6 +318,10 @@ class _FSDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         joinable = self.joinable
+        # A rank whose last iteration had no backward (evaluation) still
+        # holds that heartbeat: hand it over before the first shadowed one,
+        # as the ranks still training do at their next forward.
+        joinable._hand_over()
         with joinable._owned:  # as on a training rank: heartbeat, forward and backward
             signal = Join.heartbeat_signal(joinable)
             total, needs_input = joinable._beat(
