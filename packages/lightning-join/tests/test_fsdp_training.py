@@ -233,3 +233,40 @@ def test_settings_a_joined_rank_cannot_replay_are_refused_naming_the_fix(setting
 def test_tensor_parallelism_is_refused() -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2\): tensor parallelism is not supported"):
         JoinFSDPStrategy(tensor_parallel_size=2)
+
+
+class _FailingOnRankOne(ShardedRegression):
+    def __init__(self, after_forward: bool) -> None:
+        super().__init__()
+        self.after_forward = after_forward
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        failing = self.global_rank == 1 and batch_idx == 3  # rank 0 has joined by then
+        if failing and not self.after_forward:
+            raise ValueError("bad batch on rank 1")
+        loss = super().training_step(batch, batch_idx)
+        if failing:  # between the forward and its backward: the others wait in its collectives
+            raise ValueError("bad batch on rank 1")
+        return loss
+
+
+def _fit_failing(rank: int, world_size: int, after_forward: bool) -> str:
+    cases.lightning_env(rank, world_size)
+    trainer = cases.trainer(world_size, max_epochs=1, strategy=JoinFSDPStrategy())
+    try:
+        trainer.fit(
+            _FailingOnRankOne(after_forward), cases.loader(cases.regression_batches(rank, 2 + 3 * rank))
+        )
+    except Exception as error:  # noqa: BLE001 - the test reports what each rank raised
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("after_forward", [False, True])
+def test_a_rank_failing_after_another_joined_stops_every_rank_naming_it(after_forward: bool) -> None:
+    messages = run_ranks(_fit_failing, 2, after_forward, timeout=90)
+    assert messages == [
+        "JoinAbortedError: Join aborted: rank 1 raised ValueError: bad batch on rank 1",
+        "ValueError: bad batch on rank 1",
+    ]
