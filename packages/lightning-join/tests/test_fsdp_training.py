@@ -27,19 +27,23 @@ def _net() -> torch.nn.Sequential:
     )
 
 
-def _optimizer(params: Any) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def _optimizer(
+    params: Any, interval: str = "step"
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    step_size = 2 if interval == "step" else 1
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=0.5)
 
 
 class ShardedRegression(pl.LightningModule):
     """A two-layer regression sharded with fully_shard, trained with SGD,
-    momentum and a learning rate halved every two steps, logging a synced
-    loss every step."""
+    momentum and a learning rate halved every two steps (or every epoch),
+    logging a synced loss every step."""
 
-    def __init__(self) -> None:
+    def __init__(self, interval: str = "step") -> None:
         super().__init__()
         self.net = _net()
+        self.interval = interval
 
     def configure_model(self) -> None:
         assert self.device_mesh is not None
@@ -64,8 +68,8 @@ class ShardedRegression(pl.LightningModule):
         )
 
     def configure_optimizers(self) -> Any:
-        optimizer, scheduler = _optimizer(self.parameters())
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        optimizer, scheduler = _optimizer(self.parameters(), self.interval)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.interval}}
 
 
 def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -76,10 +80,10 @@ def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _fit(
-    rank: int, world_size: int, baseline: bool, divide: bool
+    rank: int, world_size: int, baseline: bool, divide: bool, interval: str = "step"
 ) -> tuple[dict[str, torch.Tensor], int, float]:
     cases.lightning_env(rank, world_size)
-    model = ShardedRegression()
+    model = ShardedRegression(interval)
     strategy = (
         ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
         if baseline
@@ -90,12 +94,12 @@ def _fit(
     return _full_state(model.net), trainer.global_step, float(trainer.callback_metrics["train_loss_epoch"])
 
 
-def _reference(divide: bool) -> dict[str, torch.Tensor]:
+def _reference(divide: bool, interval: str) -> dict[str, torch.Tensor]:
     """One process, the same steps: step i sums the gradients of the ranks
     that have a batch i, divided by the world size (or by their number),
-    and the learning rate halves every two steps."""
+    and the learning rate halves every two steps (or every epoch)."""
     net = _net()
-    optimizer, scheduler = _optimizer(net.parameters())
+    optimizer, scheduler = _optimizer(net.parameters(), interval)
     shares = [cases.regression_batches(rank, BASE + rank * EXTRA) for rank in range(WORLD)]
     for _ in range(EPOCHS):
         for step in range(max(map(len, shares))):
@@ -105,17 +109,22 @@ def _reference(divide: bool) -> dict[str, torch.Tensor]:
             for x, y in active:
                 (torch.nn.functional.mse_loss(net(x), y) / divisor).backward()
             optimizer.step()
+            if interval == "step":
+                scheduler.step()
+        if interval == "epoch":
             scheduler.step()
     return net.state_dict()
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("divide_by_initial_world_size", [True, False])
+@pytest.mark.parametrize(
+    ("divide_by_initial_world_size", "interval"), [(True, "step"), (False, "step"), (True, "epoch")]
+)
 def test_uneven_batches_end_with_the_single_process_model_on_every_rank(
-    divide_by_initial_world_size: bool,
+    divide_by_initial_world_size: bool, interval: str
 ) -> None:
-    results = run_ranks(_fit, WORLD, False, divide_by_initial_world_size, timeout=150)
-    expected = _reference(divide_by_initial_world_size)
+    results = run_ranks(_fit, WORLD, False, divide_by_initial_world_size, interval, timeout=150)
+    expected = _reference(divide_by_initial_world_size, interval)
     steps = EPOCHS * (BASE + (WORLD - 1) * EXTRA)
     for rank, (state, global_step, _) in enumerate(results):
         assert global_step == steps, f"rank {rank}"
