@@ -18,9 +18,17 @@ import lightning_join
 import rpc_registry
 import rpc_registry as rpc
 from ddp_join import DistributedDataParallel, GradBucket, ZeroRedundancyOptimizer, allreduce_hook
-from join_core import CollectiveMismatchError, Join, Joinable, JoinAbortedError, JoinHook, ShadowCollectives
+from join_core import (
+    CollectiveMismatchError,
+    Join,
+    Joinable,
+    JoinAbortedError,
+    JoinHook,
+    OwnedCollectives,
+    ShadowCollectives,
+)
 from join_core.testing import RanksFailedError, run_ranks
-from lightning_join import EvaluationSteps, JoinDDPStrategy, gather_all_tensors
+from lightning_join import EvaluationSteps, JoinDDPStrategy, JoinFSDPStrategy, gather_all_tensors
 from lightning_join.fabric import JoinDDPStrategy as FabricJoinDDPStrategy
 from lightning_join.fabric import join as fabric_join
 from rpc_registry import BackendType, BackendValue, RRef, WorkerInfo, backend_registered
@@ -207,6 +215,8 @@ def lightning_strategies() -> None:
         find_unused_parameters=True,
     )
     assert_type(strategy.exact_eval, bool)
+    fsdp_strategy = JoinFSDPStrategy(data_parallel_size="auto", tensor_parallel_size=1, exact_eval=True)
+    assert_type(fsdp_strategy.divide_by_initial_world_size, bool)
     fabric_strategy = FabricJoinDDPStrategy(divide_by_initial_world_size=False)
     assert_type(fabric_strategy.join(), Join)
     with fabric_join(Fabric(strategy=fabric_strategy)):
@@ -214,6 +224,10 @@ def lightning_strategies() -> None:
     steps = EvaluationSteps()
     with Join([steps, ShadowCollectives()]):
         steps.step()
+        with OwnedCollectives("EvaluationSteps") as owned:
+            assert_type(owned.owner, str)
+        owned.begin(backward=True)
+        owned.end()
         assert_type(gather_all_tensors(torch.zeros(2)), list[torch.Tensor])
     assert_type(lightning_join.__all__, list[str])
 

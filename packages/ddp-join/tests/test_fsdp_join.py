@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from ddp_cases import DEVICES, batch, flat_params, full_tensor, loss_fn, make_model, rank_device, reference
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from ddp_join import FSDPJoinable
-from join_core import Join, JoinAbortedError
+from join_core import Join, JoinAbortedError, ShadowCollectives
 from join_core.testing import run_ranks
 
 BASE, EXTRA = 2, 2  # rank r trains on BASE + r * EXTRA batches
@@ -227,3 +228,78 @@ def _train_failing_in_loss(rank: int, world_size: int) -> str:
 def test_failure_between_forward_and_backward_reaches_every_rank() -> None:
     # The failing rank issues the backward's collectives the others wait in.
     assert run_ranks(_train_failing_in_loss, 2, timeout=60) == ["JoinAbortedError", "ValueError"]
+
+
+def _train_with_logging(
+    rank: int, world_size: int, closure: bool, divide: bool
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    logged: list[float] = []
+    with Join([FSDPJoinable(model, optimizer), ShadowCollectives()], divide_by_initial_world_size=divide):
+        for step in range(counts(world_size)[rank]):
+
+            def iteration(step: int = step) -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = loss_fn(model, *batch(rank, step))
+                synced = loss.detach().clone()
+                dist.all_reduce(synced)  # between the forward and the backward, as Lightning's self.log
+                logged.append(float(synced))
+                loss.backward()
+                return loss
+
+            if closure:  # the forward and backward inside the step, as Lightning runs them
+                optimizer.step(iteration)
+            else:
+                iteration()
+                optimizer.step()
+    return _full_state(model), logged
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "closure,divide",
+    [pytest.param(True, True, id="closure"), pytest.param(False, False, id="plain-by-active")],
+)
+def test_shadow_collectives_beside_fsdp_shadow_the_loops_all_reduce(closure: bool, divide: bool) -> None:
+    world_size = 3
+    results = run_ranks(_train_with_logging, world_size, closure, divide, timeout=120)
+    plain = make_model()
+    plain.load_state_dict(results[0][0])
+    expected = reference(counts(world_size), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), divide)
+    torch.testing.assert_close(flat_params(plain), expected, rtol=1e-5, atol=1e-6)
+    # Each step's logged sum is over the ranks that had a batch: a joined rank adds 0.
+    longest = results[-1][1]
+    assert len(longest) == max(counts(world_size))
+    for rank, (state, logged) in enumerate(results):
+        assert logged == longest[: len(logged)], f"rank {rank}"
+        for key in state:
+            assert torch.equal(state[key], results[0][0][key]), f"rank {rank}: {key}"
+
+
+EVAL_COUNTS = [3, 2, 2]  # the longest rank's last batch is the only one the others shadow
+
+
+def _evaluate_with_logging(rank: int, world_size: int) -> list[float]:
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged: list[float] = []
+    with torch.no_grad(), Join([FSDPJoinable(model, optimizer), ShadowCollectives()]):
+        for step in range(EVAL_COUNTS[rank]):
+            synced = loss_fn(model, *batch(rank, step))
+            dist.all_reduce(synced)  # a metric synced on every step
+            logged.append(float(synced))
+    return logged
+
+
+@pytest.mark.timeout(240)
+def test_shadow_collectives_beside_fsdp_shadow_an_evaluation_loop() -> None:
+    world_size = 3
+    results = run_ranks(_evaluate_with_logging, world_size, timeout=120)
+    model = make_model()
+    with torch.no_grad():
+        losses = [[float(loss_fn(model, *batch(r, s))) for s in range(EVAL_COUNTS[r])] for r in range(3)]
+    # Each step's sum is over the ranks that had a batch: a joined rank adds 0.
+    expected = [sum(losses[r][s] for r in range(3) if s < EVAL_COUNTS[r]) for s in range(max(EVAL_COUNTS))]
+    for rank, logged in enumerate(results):
+        assert logged == pytest.approx(expected[: EVAL_COUNTS[rank]], rel=1e-5), f"rank {rank}"

@@ -15,11 +15,12 @@ from typing import Any, Final, TypeAlias
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ddp_join._groups import all_gather_bytes
-from join_core import Join, JoinHook, install_exit_grace, record_collectives
+from join_core import Join, JoinHook, OwnedCollectives, install_exit_grace, record_collectives
 
 __all__ = ["FSDPJoinable"]
 
@@ -42,10 +43,15 @@ class FSDPJoinable:
     The training loop is unchanged: a forward pre-hook on ``module`` sends
     Join's heartbeat (one two-element all-reduce before FSDP's first
     all-gather of the iteration, bounded by the process group's timeout), and
-    an optimizer step pre-hook hands its result to Join once the iteration's
-    collectives are done (so that with ``throw_on_early_termination`` every
-    rank raises between the same two collectives). Put it first among the
-    Join's joinables: it carries the heartbeat. A rank that has joined runs, per iteration
+    its result is handed to Join once the iteration's collectives are done:
+    at the end of the backward (or, after a forward without one, at the next
+    forward or optimizer step), so that with ``throw_on_early_termination``
+    every rank raises between the same two collectives, also when the
+    forward and backward run inside ``optimizer.step(closure)``. Put it first
+    among the Join's joinables: it carries the heartbeat. FSDP's collectives
+    are marked as this joinable's (:class:`join_core.OwnedCollectives`), so
+    a :class:`join_core.ShadowCollectives` in the same Join shadows the
+    loop's other collectives (a loss all-reduced for logging) around them. A rank that has joined runs, per iteration
     of the ranks still training: the heartbeat, ``optimizer.zero_grad()``,
     the forward of ``module`` on an empty slice (batch size 0) of its last
     input, ``backward()`` of the output's sum times zero, and
@@ -122,6 +128,8 @@ class FSDPJoinable:
         # fails before that backward still owes its collectives.
         self._owed_output: Any = None
         self._replaying = False
+        self._in_backward = False  # between a backward's start and its end callback
+        self._owned = OwnedCollectives("FSDPJoinable", self._group)
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
             module.register_forward_hook(self._post_forward),
@@ -142,6 +150,8 @@ class FSDPJoinable:
         self._last_input = None
         self._pending = None
         self._owed_output = None
+        self._in_backward = False
+        self._owned.end()
         return _FSDPJoinHook(self)
 
     @property
@@ -165,28 +175,57 @@ class FSDPJoinable:
     def _pre_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._replaying or not Join.is_active(self):
             return
+        self._in_backward = False  # a backward that failed left no end callback
         self._hand_over()
         self._last_input = (_empty_slice(args), _empty_slice(kwargs), torch.is_grad_enabled())
-        total, needs_input = self._beat(Join.heartbeat_signal(self), needs_input=False)
-        if total < 0:
-            Join.heartbeat_result(self, total)  # raises JoinAbortedError before FSDP's collectives
-        if needs_input:
-            self._share_input()
+        Join.notify_join_context(self)  # an iteration starts (carried: no collective of Join's)
+        self._owned.begin()
+        try:
+            total, needs_input = self._beat(Join.heartbeat_signal(self), needs_input=False)
+            if total < 0:
+                Join.heartbeat_result(self, total)  # raises JoinAbortedError before FSDP's collectives
+            if needs_input:
+                self._share_input()
+        except BaseException:
+            self._owned.end()
+            raise
         self._pending = total
         self._set_divisor(total)
 
     def _post_forward(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self._replaying or not Join.is_active(self) or not torch.is_grad_enabled():
+        if self._replaying or not Join.is_active(self):
+            return
+        self._owned.end()  # the loss and the loop's own collectives come next
+        if not torch.is_grad_enabled():
             return
         tensors: list[torch.Tensor] = []
         _collect(output, tensors.append)
         if tensors:
+            # FSDP's first backward collectives come from hooks of inner
+            # modules, which may run before this one's: claim the backward's
+            # collectives until its end.
+            self._owned.begin(backward=True)
             self._owed_output = output
             for tensor in tensors:
                 tensor.register_hook(self._backward_started)
 
     def _backward_started(self, grad: torch.Tensor) -> None:
         self._owed_output = None
+        if self._in_backward or self._replaying:
+            return
+        self._in_backward = True
+        Variable._execution_engine.queue_callback(self._after_fsdp_callbacks)
+
+    def _after_fsdp_callbacks(self) -> None:
+        # FSDP queues its own end-of-backward callback (which may still
+        # reduce-scatter) in the same hooks as this one: the engine runs a
+        # callback queued by a callback after those already queued.
+        Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._in_backward = False
+        self._owned.end()
+        self._hand_over()
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._replaying:
@@ -279,28 +318,40 @@ class _FSDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         joinable = self.joinable
-        signal = Join.heartbeat_signal(joinable)
-        total, needs_input = joinable._beat(signal, needs_input=joinable._last_input is None and signal >= 0)
-        if not Join.heartbeat_result(joinable, total) or total < 0:
-            return
-        if signal < 0:
-            return  # a failing rank: Join agrees on the abort next
-        if needs_input:
-            joinable._share_input()
-        joinable._set_divisor(total)
-        joinable._replay()
+        # A rank whose last iteration had no backward (evaluation) still
+        # holds that heartbeat: hand it over before the first shadowed one,
+        # as the ranks still training do at their next forward.
+        joinable._hand_over()
+        with joinable._owned:  # as on a training rank: heartbeat, forward and backward
+            signal = Join.heartbeat_signal(joinable)
+            total, needs_input = joinable._beat(
+                signal, needs_input=joinable._last_input is None and signal >= 0
+            )
+            if not Join.heartbeat_result(joinable, total) or total < 0:
+                return
+            if signal < 0:
+                return  # a failing rank: Join agrees on the abort next
+            if needs_input:
+                joinable._share_input()
+            joinable._set_divisor(total)
+            joinable._replay()
 
     def abort_hook(self) -> None:
         # The rank failed between a forward and its backward (say, in the
         # loss): the ranks still training wait in that backward's collectives.
-        output, self.joinable._owed_output = self.joinable._owed_output, None
+        joinable = self.joinable
+        output, joinable._owed_output = joinable._owed_output, None
+        joinable._pending = None  # the backward's end hands nothing over on a failing rank
         zero = _zero_loss(output)
         if zero is not None:
             zero.backward()
+        joinable._owned.end()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.joinable._owed_output = None
         self.joinable._pending = None
+        self.joinable._in_backward = False
+        self.joinable._owned.end()
         self.joinable._set_divisor(float(self.joinable._world_size))
 
 

@@ -2,7 +2,8 @@
 
 Ranks that run out of inputs shadow the collectives of the ranks that have
 not, so nobody hangs. See :class:`Join`, :class:`Joinable` and :class:`JoinHook`;
-:class:`ShadowCollectives` shadows the collectives no joinable owns.
+:class:`ShadowCollectives` shadows the collectives no joinable owns
+(:class:`OwnedCollectives` marks those a joinable owns).
 """
 
 from join_core.collective_watch import DEFAULT_HANG_TIMEOUT, CollectiveDesyncError
@@ -13,7 +14,7 @@ from join_core.joinable import Joinable
 from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, RankLostError, spare_connections
 from join_core.recorder import CollectiveRecord, CollectiveRecorder, record_collectives, recorder
 from join_core.regroup import RankRemovedError, Recovery
-from join_core.shadow import CollectiveMismatchError, ShadowCollectives
+from join_core.shadow import CollectiveMismatchError, OwnedCollectives, ShadowCollectives
 from join_core.watch import CollectiveWatchHandle, watch_collectives
 
 __version__ = "0.2.0"
@@ -31,6 +32,7 @@ __all__ = [
     "JoinAbortedError",
     "JoinHook",
     "Joinable",
+    "OwnedCollectives",
     "RankLostError",
     "RankRemovedError",
     "Recovery",

@@ -15,6 +15,12 @@ the training ranks learn that a rank joined (the first heartbeat counting
 fewer than all ranks), every rank checks each collective on the group with a
 small all-gather of its fingerprint, so a sequence that changes raises
 :class:`CollectiveMismatchError` on every rank, naming the ops that differ.
+
+A collective is placed in the recorded sequence by its name, tensors and
+call site. A joinable whose collectives torch issues from wherever the user
+calls it (FSDP2's, from the model's forward and the loss's backward) replays
+them from its own hook, another call site: it marks them with
+:class:`OwnedCollectives`, and they are matched by their owner instead.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from join_core.hook import JoinHook
 from join_core.join import Join, _lookup
 from join_core.recorder import is_torch
 
-__all__ = ["CollectiveMismatchError", "ShadowCollectives"]
+__all__ = ["CollectiveMismatchError", "OwnedCollectives", "ShadowCollectives"]
 
 # The file name Join's own collectives are issued from, as its code objects carry it.
 _JOIN_FILE: Final = Join.notify_join_context.__code__.co_filename
@@ -71,12 +77,16 @@ _DTYPES: Final = [
 _ROLES: Final = ("training", "joined", "failing")
 # The check's fields: fingerprint, kind, elements, dtype, role, status.
 _FIELDS: Final = 6
-_OK, _CANNOT_SHADOW, _NOT_RECORDED = 0, 1, 2
+_OK, _CANNOT_SHADOW, _NOT_RECORDED, _OWNED = 0, 1, 2, 3
 # Comparing ReduceOps costs more than recording the rest: the common one by identity.
 _SUM: Final = dist.ReduceOp.SUM
 _AVG: Final = dist.ReduceOp.AVG
 
 _Spec = tuple[torch.Size, torch.dtype, torch.device]
+#: The owner of the collectives issued now on each process group, and whether
+#: only those of a backward pass are its (see OwnedCollectives).
+_owners: dict[dist.ProcessGroup, tuple[str, bool]] = {}
+
 # Public in torch.distributed.distributed_c10d, though its stubs do not re-export it.
 AllgatherOptions: Any = dist.distributed_c10d.AllgatherOptions  # type: ignore[attr-defined]
 
@@ -99,10 +109,72 @@ class _Op(NamedTuple):
     specs: tuple[_Spec, ...]
     reduce_op: Any  # a ReduceOp, or None
     root: int | None  # the source or destination, a rank of the group
-    # The caller's code and instruction; (None, 0) for Join's own collectives.
-    origin: tuple[CodeType | None, int]
+    # The caller's code and instruction; (None, 0) for Join's own collectives;
+    # (owner, 0) for those of an OwnedCollectives.
+    origin: tuple[CodeType | str | None, int]
     options: Any  # the options object it was issued with
     splits: tuple[list[int], list[int]] | None  # an all-to-all's output and input split sizes
+
+
+class OwnedCollectives:
+    """Marks the collectives a joinable issues itself on a joined rank but
+    cannot issue from one place: those torch issues on its behalf, from
+    wherever the user calls the model (FSDP2's all-gathers in the forward,
+    reduce-scatters in the backward).
+
+    :class:`ShadowCollectives` places a collective in a rank's recorded
+    iteration by its call site, and a joined rank's hook replays the
+    joinable's collectives from another one (the hook). Collectives issued on
+    ``process_group`` between :meth:`begin` and :meth:`end` (from any
+    thread) are matched by ``owner`` instead, are left to the joinable's hook
+    on a joined rank (never issued again with neutral data), and may use any
+    reduce op (``ReduceOp.AVG`` too: the hook knows its divisor). Begin and
+    end at the same points of an iteration on a training rank and in the
+    hook on a joined one::
+
+        owned = OwnedCollectives("MyJoinable", group)
+        with owned:  # or owned.begin() ... owned.end() in a module's hooks
+            model(x)
+
+    ``begin(backward=True)`` after the forward claims only the collectives
+    a backward pass issues (autograd's hooks: FSDP's gradient
+    reduce-scatters), so that those the loop issues between the forward and
+    the backward (a loss all-reduced for logging) are still the loop's.
+
+    Without a :class:`ShadowCollectives` on the group, marking costs a
+    dictionary write and changes nothing.
+
+    Args:
+        owner: the name the collectives are matched (and reported) by.
+        process_group: the group of the collectives (default: the world).
+    """
+
+    def __init__(self, owner: str, process_group: dist.ProcessGroup | None = None) -> None:
+        if not owner:
+            raise ValueError("OwnedCollectives(owner=''): name the joinable that owns the collectives")
+        if process_group is None:
+            process_group = dist.group.WORLD
+        assert process_group is not None, "the default process group is not initialized"
+        self.owner: str = owner
+        self.process_group: dist.ProcessGroup = process_group
+
+    def begin(self, backward: bool = False) -> None:
+        """From now on the group's collectives are the owner's (with
+        ``backward=True``: those issued inside a backward pass)."""
+        _owners[self.process_group] = (self.owner, backward)
+
+    def end(self) -> None:
+        """From now on the group's collectives are matched by call site again."""
+        owned = _owners.get(self.process_group)
+        if owned is not None and owned[0] == self.owner:
+            del _owners[self.process_group]
+
+    def __enter__(self) -> OwnedCollectives:
+        self.begin()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
 
 
 class ShadowCollectives:
@@ -261,7 +333,7 @@ class _Shadowing:
             self.current_heartbeat = len(self.current)  # this iteration's heartbeat arrived
         op = _op_of(call)
         reduce_op = op.reduce_op
-        if reduce_op is not None and reduce_op is not _SUM and reduce_op == _AVG:
+        if reduce_op is not None and reduce_op is not _SUM and reduce_op == _AVG and not _owned(op):
             raise ValueError(
                 f"{_describe(op)}: ShadowCollectives cannot shadow ReduceOp.AVG (a joined rank would "
                 "count in the divisor); all-reduce with ReduceOp.SUM and divide by the ranks that took part"
@@ -338,8 +410,17 @@ class _Shadowing:
             if sources and (op.root == self.rank or op.root is None) and op.name != "barrier"
             else _OK
         )
+        if _owned(op):
+            status = _OWNED  # its owner's hook issues it, and did not this time
         if self._checking(step):
             self._check(op, status, role)
+        if status == _OWNED:
+            self.stopped = True
+            raise CollectiveMismatchError(
+                f"ShadowCollectives: rank {self.rank} ({role}) skipped {_describe(op)}: "
+                f"{op.origin[0]}'s hook on this rank did not issue it where its last iteration did; "
+                f"{op.origin[0]} must issue the same collectives every iteration"
+            )
         if status != _OK:
             self.stopped = True
             raise CollectiveMismatchError(
@@ -367,7 +448,7 @@ class _Shadowing:
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         intercept.issue(self.group, "allgather", [rows], [mine], AllgatherOptions()).wait()
         values = [tuple(int(v) for v in row.tolist()) for row in rows]
-        if all(v[:4] == values[0][:4] and v[5] != _CANNOT_SHADOW for v in values):
+        if all(v[:4] == values[0][:4] and v[5] not in (_CANNOT_SHADOW, _OWNED) for v in values):
             return
         self.stopped = True
         raise CollectiveMismatchError(_mismatch_message(self.rank, op, values))
@@ -388,9 +469,17 @@ def _origin(frame: FrameType | None) -> tuple[CodeType | None, int]:
     return (None, 0) if code.co_filename == _JOIN_FILE else (code, frame.f_lasti)
 
 
+def _owned(op: _Op) -> bool:
+    return isinstance(op.origin[0], str)
+
+
 def _op_of(call: intercept.Call) -> _Op:
-    name, method, _, args, kwargs, caller, _ = call
-    origin = _origin(caller)
+    name, method, group, args, kwargs, caller, _ = call
+    origin: tuple[CodeType | str | None, int] = _origin(caller)
+    if _owners and origin[0] is not None:  # Join's own heartbeats stay Join's
+        owned = _owners.get(group)
+        if owned is not None and (not owned[1] or torch._C._current_graph_task_id() != -1):
+            origin = (owned[0], 0)
     if kwargs or name not in _SHADOWABLE.values():
         return tuple.__new__(_Op, ("other", method, (), None, None, origin, None, None))
     if method == "allreduce":  # the common one, without the general look-ups
@@ -426,6 +515,8 @@ def _line(op: _Op) -> tuple[str, int]:
     code, offset = op.origin
     if code is None:
         return ("join", 0)
+    if isinstance(code, str):
+        return (code, 0)
     line = code.co_firstlineno
     for start, end, number in code.co_lines():
         if start <= offset < end and number is not None:
@@ -533,7 +624,12 @@ def _describe(op: _Op) -> str:
         key = "src" if op.name in ("broadcast", "scatter") else "dst"
         extra += f", {key}={op.root}"
     file, line = _line(op)
-    where = "Join's heartbeat" if op.origin[0] is None else f"{file}:{line}"
+    if op.origin[0] is None:
+        where = "Join's heartbeat"
+    elif isinstance(op.origin[0], str):
+        where = f"{file}'s own collectives"
+    else:
+        where = f"{file}:{line}"
     return f"{op.name}({tensors}{extra}) at {where}"
 
 
@@ -549,6 +645,8 @@ def _mismatch_message(rank: int, op: _Op, rows: list[tuple[int, ...]]) -> str:
         what = f"{_KINDS[kind]} of {numel} {dtype_name} elements (fingerprint {fingerprint:08x})"
         if status == _CANNOT_SHADOW:
             what += ", which they cannot shadow: they are its source"
+        elif status == _OWNED:
+            what += ", which they left to its owner's hook, and it did not issue it"
         elif status == _NOT_RECORDED:
             what += ", having recorded no iteration before joining"
         label = "rank" if len(ranks) == 1 else "ranks"

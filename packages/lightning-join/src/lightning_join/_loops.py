@@ -14,7 +14,11 @@ strategy runs it, and put back at teardown:
   has joined, and a joined rank replays only what follows its last batch's
   forward. An all-reduce (MAX) of the flags after each batch replaces it, so
   any rank's SIGTERM stops every rank, one batch boundary later than before
-  at the most.
+  at the most. And ``update_lr_schedulers``: Lightning steps the
+  epoch-interval schedulers at a rank's last batch, which is earlier on a
+  rank with fewer batches; inside the Join that step waits until the rank
+  has left it (and taken the longest rank's scheduler states), so every
+  rank's optimizer steps with the same learning rate until the epoch ends.
 - evaluation loops: ``run`` (an error leaves the Join),
   ``_store_dataloader_outputs`` (the end of a dataloader's batches: the Join
   is left before the metrics are synced) and ``on_run_end``.
@@ -39,6 +43,7 @@ class LoopHooks(Protocol):
     def leave_training(self, error: BaseException | None) -> None: ...
     def training_done(self) -> bool: ...
     def leave_evaluation(self, error: BaseException | None) -> None: ...
+    def in_training_join(self) -> bool: ...
     @property
     def root_device(self) -> torch.device: ...
     def received_sigterm(self) -> bool: ...
@@ -64,15 +69,24 @@ def wrap_training_epoch_loop(loop: Any, hooks: LoopHooks) -> None:
     if _WRAPPED in loop.__dict__:
         return
     run, advance, on_advance_end = loop.run, loop.advance, loop.on_advance_end
+    update_lr_schedulers = loop.update_lr_schedulers
+    deferred: list[tuple[Any, ...]] = []  # epoch-interval scheduler updates, until the Join is left
+
+    def leave(error: BaseException | None) -> None:
+        hooks.leave_training(error)
+        if error is None:
+            for args in deferred:
+                update_lr_schedulers(*args)
+        deferred.clear()
 
     @functools.wraps(run)
     def run_wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             result = run(*args, **kwargs)
         except BaseException as error:
-            hooks.leave_training(error)
+            leave(error)
             raise
-        hooks.leave_training(None)
+        leave(None)
         return result
 
     @functools.wraps(advance)
@@ -81,15 +95,22 @@ def wrap_training_epoch_loop(loop: Any, hooks: LoopHooks) -> None:
         try:
             return advance(*args, **kwargs)
         except StopIteration:
-            hooks.leave_training(None)  # the batches ran out before a step
+            leave(None)  # the batches ran out before a step
             raise
+
+    @functools.wraps(update_lr_schedulers)
+    def update_lr_schedulers_wrapper(interval: str, update_plateau_schedulers: bool) -> None:
+        if interval == "epoch" and hooks.in_training_join():
+            deferred.append((interval, update_plateau_schedulers))
+            return
+        update_lr_schedulers(interval, update_plateau_schedulers)
 
     @functools.wraps(on_advance_end)
     def on_advance_end_wrapper(*args: Any, **kwargs: Any) -> Any:
         if dist.is_initialized() and dist.get_world_size() > 1:
             agree_on_sigterm()
         if hooks.training_done():
-            hooks.leave_training(None)
+            leave(None)
         return on_advance_end(*args, **kwargs)
 
     def agree_on_sigterm() -> None:
@@ -106,6 +127,7 @@ def wrap_training_epoch_loop(loop: Any, hooks: LoopHooks) -> None:
     _set(loop, "run", run_wrapper)
     _set(loop, "advance", advance_wrapper)
     _set(loop, "on_advance_end", on_advance_end_wrapper)
+    _set(loop, "update_lr_schedulers", update_lr_schedulers_wrapper)
     if hasattr(loop, "_broadcast_sigterm_tensor"):
         _set(loop, "_broadcast_sigterm_tensor", no_broadcast)
 

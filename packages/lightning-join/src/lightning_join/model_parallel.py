@@ -1,0 +1,290 @@
+"""JoinFSDPStrategy: Lightning's FSDP2 strategy for ranks with different numbers of batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp import FSDPModule
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from ddp_join import FSDPJoinable
+from join_core import DEFAULT_LIVENESS_TIMEOUT, Joinable, ShadowCollectives
+from lightning_join._join_strategy import JoinStrategyBase
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["JoinFSDPStrategy"]
+
+
+class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
+    """Lightning's :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
+    (FSDP2: the model sharded with ``fully_shard`` in ``configure_model()``)
+    for ranks with different numbers of batches.
+
+    Each epoch's training batches run under a :class:`join_core.Join` with
+    :class:`ddp_join.FSDPJoinable` and :class:`join_core.ShadowCollectives`:
+    a rank that runs out of batches replays the sharded model's forward and
+    backward on an empty batch (so FSDP's all-gathers and reduce-scatters
+    match, and it steps its own shard of the parameters and optimizer state
+    with the reduced gradient), and shadows every collective Lightning
+    issues in the loop (``self.log(..., sync_dist=True)``,
+    ``reduce_boolean_decision``, torchmetrics syncs). Its step-interval
+    learning-rate schedulers step with the replayed steps, and epoch-interval
+    ones after the last rank's last batch, so every shard is updated with the
+    same learning rate. When the last rank is done, every rank takes its
+    scheduler states, optimizer hyperparameters and step counters.
+
+    The model is sharded over a one-dimensional mesh of every rank, whose
+    process group is the default one (that of Lightning's collectives):
+    ``self.device_mesh`` in ``configure_model()`` is that mesh, and
+    ``self.device_mesh["data_parallel"]`` too. Shard the model as one root
+    whose forward ``training_step`` (and, with ``exact_eval``,
+    ``validation_step`` and ``test_step``) calls once per step::
+
+        def configure_model(self):
+            for layer in self.net:
+                fully_shard(layer, mesh=self.device_mesh)
+            fully_shard(self.net, mesh=self.device_mesh)
+
+    The model must accept a batch of size 0 (a joined rank replays its last
+    batch cut to length 0), with one optimizer, no gradient accumulation and
+    no gradient clipping.
+
+    Each rank brings its own share of the data: use
+    ``Trainer(use_distributed_sampler=False)`` and, for example,
+    :class:`ddp_join.UnevenDistributedSampler` in the train dataloader.
+
+    Args:
+        data_parallel_size: ``"auto"`` or the world size: every rank holds a
+            shard (data parallelism across all ranks).
+        tensor_parallel_size: ``"auto"`` or 1: tensor parallelism is not
+            supported (a joined rank cannot replay it).
+        save_distributed_checkpoint, process_group_backend, timeout: as
+            :class:`~lightning.pytorch.strategies.ModelParallelStrategy`'s.
+        exact_eval: give validation and test dataloaders an
+            :class:`ddp_join.UnevenDistributedSampler` (every sample on
+            exactly one rank) and run their batches under a Join, so metrics
+            logged with ``sync_dist=True`` and torchmetrics equal the
+            single-process values for any dataset length and world size.
+        throw_on_early_termination: raise on every rank as soon as one runs
+            out of training batches, instead of shadowing.
+        divide_by_initial_world_size: True: each step's gradient is the sum
+            over the ranks still training divided by the world size; False:
+            divided by the number of ranks still training.
+        liveness_timeout: as :class:`join_core.Join`'s: a rank silent this
+            long is lost and named on every other rank; None turns the watch
+            off.
+
+    Example::
+
+        trainer = Trainer(
+            strategy=JoinFSDPStrategy(exact_eval=True),
+            use_distributed_sampler=False,
+            accelerator="cpu",
+            devices=2,
+        )
+
+    Raises:
+        ValueError: ``tensor_parallel_size`` is not 1 or ``"auto"``; at
+            set-up, ``data_parallel_size`` is not the world size, or the
+            model or Trainer is set up in a way a joined rank cannot replay
+            (each message names the setting to change).
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        *,
+        exact_eval: bool = False,
+        throw_on_early_termination: bool = False,
+        divide_by_initial_world_size: bool = True,
+        liveness_timeout: timedelta | None = DEFAULT_LIVENESS_TIMEOUT,
+    ) -> None:
+        if tensor_parallel_size not in ("auto", 1):
+            raise ValueError(
+                f"JoinFSDPStrategy(tensor_parallel_size={tensor_parallel_size!r}): tensor parallelism is "
+                "not supported (a rank out of batches cannot replay it); set tensor_parallel_size=1 and "
+                "data_parallel_size to the world size (or leave both 'auto')"
+            )
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._init_join(
+            exact_eval, throw_on_early_termination, divide_by_initial_world_size, liveness_timeout
+        )
+        self._joinable: FSDPJoinable | None = None
+        self._step_hook: RemovableHandle | None = None
+        # The index of the batch a joined rank replays, while it does (None: not shadowing).
+        self._replayed_batch: int | None = None
+
+    # Set-up and tear-down.
+
+    @override
+    def setup_environment(self) -> None:
+        """As ModelParallelStrategy's, with a one-dimensional mesh of every
+        rank (named ``data_parallel``) instead of a two-dimensional one."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()
+        world_size = self.world_size
+        if self._data_parallel_size not in ("auto", world_size):
+            raise ValueError(
+                f"JoinFSDPStrategy(data_parallel_size={self._data_parallel_size!r}): with "
+                f"{world_size} ranks, set data_parallel_size={world_size} (the world size) and "
+                "tensor_parallel_size=1, or leave both 'auto': a rank out of batches shadows the others "
+                "over one fully sharded dimension"
+            )
+        self._data_parallel_size = world_size
+        self._tensor_parallel_size = 1
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (world_size,), mesh_dim_names=("data_parallel",)
+        )
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not fitting and not self.exact_eval:
+            return
+        module = _sharded_root(self.lightning_module)
+        if fitting:
+            if len(trainer.optimizers) != 1:
+                raise ValueError(
+                    f"JoinFSDPStrategy: configure_optimizers() returned {len(trainer.optimizers)} "
+                    "optimizers; return one (a rank out of batches replays one optimizer step per batch)"
+                )
+            optimizer = trainer.optimizers[0]
+        else:  # evaluation replays forwards only: an optimizer that never steps
+            optimizer = torch.optim.SGD(module.parameters(), lr=0.0)
+        if self._joinable is not None:
+            self._joinable.remove_hooks()
+        try:
+            self._joinable = FSDPJoinable(module, optimizer)
+        except ValueError as error:
+            raise ValueError(
+                f"JoinFSDPStrategy: {error}: in configure_model(), pass mesh=self.device_mesh (one "
+                "dimension, every rank) to fully_shard"
+            ) from error
+        if fitting:
+            self._step_hook = optimizer.register_step_post_hook(self._after_step)
+
+    @override
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        super()._check_trainer(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"JoinFSDPStrategy: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) "
+                "is not supported (a rank out of batches replays one forward, backward and optimizer step "
+                "per batch of the others); use accumulate_grad_batches=1 and a larger batch"
+            )
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                f"JoinFSDPStrategy: Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported "
+                "(the norm of sharded gradients is reduced by DTensor with collectives a rank out of "
+                "batches cannot shadow); leave gradient_clip_val unset"
+            )
+
+    @override
+    def teardown(self) -> None:
+        self._leave_all()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        if self._joinable is not None:
+            self._joinable.remove_hooks()
+            self._joinable = None
+        super().teardown()
+
+    # The joinables.
+
+    @override
+    def _training_joinables(self) -> Sequence[Joinable] | None:
+        return self._joinables()
+
+    @override
+    def _evaluation_joinables(self) -> Sequence[Joinable]:
+        return self._joinables()
+
+    def _joinables(self) -> list[Joinable]:
+        if self._joinable is None:
+            raise RuntimeError("JoinFSDPStrategy: a Join was entered before setup() found the sharded model")
+        return [self._joinable, ShadowCollectives(self._joinable.join_process_group)]
+
+    @override
+    def _take_optimizer_states(self) -> bool:
+        return False  # each rank holds (and stepped) its own shard of them
+
+    @override
+    def leave_training(self, error: BaseException | None) -> None:
+        """Leave this epoch's Join: shadow the other ranks' batches (stepping
+        the step-interval schedulers with the replayed optimizer steps) and
+        take the scheduler states and counters of the longest rank."""
+        trainer = self._trainer
+        if self._training_join is not None and error is None and trainer is not None:
+            self._replayed_batch = int(trainer.fit_loop.epoch_loop.batch_progress.current.completed)
+        try:
+            super().leave_training(error)
+        finally:
+            self._replayed_batch = None
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """After a joined rank's replayed optimizer step: step the
+        step-interval schedulers as Lightning does after that batch on the
+        ranks still training."""
+        if self._replayed_batch is None or self._trainer is None:
+            return
+        batch = self._replayed_batch
+        self._replayed_batch += 1
+        for config in self._trainer.lr_scheduler_configs:
+            if (
+                config.interval == "step"
+                and not config.reduce_on_plateau
+                and (batch + 1) % config.frequency == 0
+            ):
+                self.lightning_module.lr_scheduler_step(config.scheduler, None)  # type: ignore[union-attr]
+
+
+def _sharded_root(module: torch.nn.Module | None) -> torch.nn.Module:
+    """The one outermost module sharded with ``fully_shard``."""
+    assert module is not None
+    roots: list[tuple[str, FSDPModule]] = []
+    covered: list[str] = []
+    for name, child in module.named_modules():
+        if not isinstance(child, FSDPModule):
+            continue
+        if any(name == c or name.startswith(c + ".") or c == "" for c in covered):
+            continue
+        covered.append(name)
+        roots.append((name or "self", child))
+    if len(roots) == 1:
+        root = roots[0][1]
+        assert isinstance(root, torch.nn.Module)
+        return root
+    found = ", ".join(name for name, _ in roots) if roots else "none"
+    raise ValueError(
+        f"JoinFSDPStrategy: the LightningModule has {len(roots)} outermost modules sharded with "
+        f"fully_shard ({found}); a rank out of batches replays the forward of one: in configure_model(), "
+        "shard the layers, then the module that holds them all (e.g. fully_shard(self.net, "
+        "mesh=self.device_mesh)), and call its forward once per step"
+    )

@@ -1,0 +1,281 @@
+"""JoinFSDPStrategy: FSDP2 training with a different number of batches on each rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cases
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from join_core.testing import RanksFailedError, run_ranks
+from lightning_join import JoinFSDPStrategy
+
+WORLD: int = 3
+BASE, EXTRA, EPOCHS = 2, 1, 2  # rank r has BASE + r * EXTRA batches
+HIDDEN: int = 6
+
+
+def _net() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(cases.FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
+    )
+
+
+def _optimizer(
+    params: Any, interval: str = "step"
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    # Every step (or epoch): a joined rank's replayed steps need the learning rate of theirs.
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+
+
+class ShardedRegression(pl.LightningModule):
+    """A two-layer regression sharded with fully_shard, trained with SGD,
+    momentum and a learning rate multiplied by 0.8 every step (or epoch),
+    logging a synced loss every step."""
+
+    def __init__(self, interval: str = "step") -> None:
+        super().__init__()
+        self.net = _net()
+        self.interval = interval
+
+    def configure_model(self) -> None:
+        assert self.device_mesh is not None
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True, batch_size=len(x))
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("val_loss", loss, sync_dist=True, on_epoch=True, batch_size=len(x))
+        self.log(
+            "val_count", float(len(x)), sync_dist=True, reduce_fx="sum", on_epoch=True, batch_size=len(x)
+        )
+
+    def configure_optimizers(self) -> Any:
+        optimizer, scheduler = _optimizer(self.parameters(), self.interval)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.interval}}
+
+
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for key, value in model.state_dict().items()
+    }
+
+
+def _fit(
+    rank: int, world_size: int, baseline: bool, divide: bool, interval: str = "step"
+) -> tuple[dict[str, torch.Tensor], int, float]:
+    cases.lightning_env(rank, world_size)
+    model = ShardedRegression(interval)
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+        if baseline
+        else JoinFSDPStrategy(divide_by_initial_world_size=divide)
+    )
+    trainer = cases.trainer(world_size, max_epochs=EPOCHS, strategy=strategy)
+    trainer.fit(model, cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
+    return _full_state(model.net), trainer.global_step, float(trainer.callback_metrics["train_loss_epoch"])
+
+
+def _reference(divide: bool, interval: str) -> dict[str, torch.Tensor]:
+    """One process, the same steps: step i sums the gradients of the ranks
+    that have a batch i, divided by the world size (or by their number),
+    and the learning rate is multiplied by 0.8 every step (or epoch)."""
+    net = _net()
+    optimizer, scheduler = _optimizer(net.parameters(), interval)
+    shares = [cases.regression_batches(rank, BASE + rank * EXTRA) for rank in range(WORLD)]
+    for _ in range(EPOCHS):
+        for step in range(max(map(len, shares))):
+            optimizer.zero_grad()
+            active = [share[step] for share in shares if step < len(share)]
+            divisor = WORLD if divide else len(active)
+            for x, y in active:
+                (torch.nn.functional.mse_loss(net(x), y) / divisor).backward()
+            optimizer.step()
+            if interval == "step":
+                scheduler.step()
+        if interval == "epoch":
+            scheduler.step()
+    return net.state_dict()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("divide_by_initial_world_size", "interval"), [(True, "step"), (False, "step"), (True, "epoch")]
+)
+def test_uneven_batches_end_with_the_single_process_model_on_every_rank(
+    divide_by_initial_world_size: bool, interval: str
+) -> None:
+    results = run_ranks(_fit, WORLD, False, divide_by_initial_world_size, interval, timeout=150)
+    expected = _reference(divide_by_initial_world_size, interval)
+    steps = EPOCHS * (BASE + (WORLD - 1) * EXTRA)
+    for rank, (state, global_step, _) in enumerate(results):
+        assert global_step == steps, f"rank {rank}"
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
+            assert torch.equal(state[key], results[0][0][key]), f"rank {rank}: {key}"
+    # The epoch's mean loss is the same on every rank (synced over every batch of every rank).
+    assert len({loss for _, _, loss in results}) == 1
+
+
+@pytest.mark.timeout(120)
+def test_model_parallel_strategy_hangs_on_the_same_uneven_batches() -> None:
+    with pytest.raises(RanksFailedError, match="no result within"):
+        run_ranks(_fit, 2, True, True, timeout=45)
+
+
+SAMPLES, BATCH = 25, 4  # exact_eval shares of 9, 8 and 8 samples: 3, 2 and 2 batches
+
+
+def _validation_data() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, cases.FEATURES, generator=generator)
+    return torch.utils.data.TensorDataset(x, torch.randn(SAMPLES, 1, generator=generator))
+
+
+def _fit_and_validate(
+    rank: int, world_size: int, stage: str
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    cases.lightning_env(rank, world_size)
+    model = ShardedRegression()
+    trainer = cases.trainer(world_size, max_epochs=1, strategy=JoinFSDPStrategy(exact_eval=True))
+    val = torch.utils.data.DataLoader(_validation_data(), batch_size=BATCH)
+    if stage == "fit":  # validation after an epoch of uneven training
+        trainer.fit(model, cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)), val)
+    else:
+        trainer.validate(model, val, verbose=False)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+    return metrics, _full_state(model.net)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_exact_validation_equals_the_single_process_values(stage: str) -> None:
+    results = run_ranks(_fit_and_validate, WORLD, stage, timeout=150)
+    net = _net()
+    net.load_state_dict(results[0][1])
+    x, y = _validation_data().tensors
+    with torch.no_grad():
+        expected = float(torch.nn.functional.mse_loss(net(x), y))
+    for rank, (metrics, _) in enumerate(results):
+        assert metrics["val_count"] == SAMPLES, f"rank {rank}"
+        assert metrics["val_loss"] == pytest.approx(expected, rel=1e-5), f"rank {rank}"
+
+
+def _fit_throwing(rank: int, world_size: int) -> str:
+    cases.lightning_env(rank, world_size)
+    trainer = cases.trainer(
+        world_size, max_epochs=1, strategy=JoinFSDPStrategy(throw_on_early_termination=True)
+    )
+    try:
+        trainer.fit(ShardedRegression(), cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_throw_on_early_termination_raises_on_every_rank() -> None:
+    messages = run_ranks(_fit_throwing, 2, timeout=90)
+    assert "Rank 0 exhausted all inputs" in messages[0]
+    assert "Detected at least one rank that exhausted inputs" in messages[1]
+
+
+class _TwoRoots(ShardedRegression):
+    def configure_model(self) -> None:
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=self.device_mesh)
+
+
+def _fit_refused(rank: int, world_size: int, setting: str) -> str:
+    cases.lightning_env(rank, world_size)
+    options: dict[str, Any] = {}
+    model = ShardedRegression()
+    strategy = JoinFSDPStrategy()
+    if setting == "data_parallel_size":
+        strategy = JoinFSDPStrategy(data_parallel_size=1)
+    elif setting == "roots":
+        model = _TwoRoots()
+    else:
+        options = {setting: 2}
+    trainer = cases.trainer(world_size, max_epochs=1, strategy=strategy, **options)
+    try:
+        trainer.fit(model, cases.loader(cases.regression_batches(rank, 2)))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("data_parallel_size", "set data_parallel_size=2 (the world size) and tensor_parallel_size=1"),
+        ("roots", "has 2 outermost modules sharded with fully_shard (net.0, net.2)"),
+        ("accumulate_grad_batches", "use accumulate_grad_batches=1"),
+        ("gradient_clip_val", "leave gradient_clip_val unset"),
+    ],
+)
+def test_settings_a_joined_rank_cannot_replay_are_refused_naming_the_fix(setting: str, named: str) -> None:
+    messages = run_ranks(_fit_refused, 2, setting, timeout=90)
+    assert all(named in message for message in messages), messages
+
+
+def test_tensor_parallelism_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2\): tensor parallelism is not supported"):
+        JoinFSDPStrategy(tensor_parallel_size=2)
+
+
+class _FailingOnRankOne(ShardedRegression):
+    def __init__(self, after_forward: bool) -> None:
+        super().__init__()
+        self.after_forward = after_forward
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        failing = self.global_rank == 1 and batch_idx == 3  # rank 0 has joined by then
+        if failing and not self.after_forward:
+            raise ValueError("bad batch on rank 1")
+        loss = super().training_step(batch, batch_idx)
+        if failing:  # between the forward and its backward: the others wait in its collectives
+            raise ValueError("bad batch on rank 1")
+        return loss
+
+
+def _fit_failing(rank: int, world_size: int, after_forward: bool) -> str:
+    cases.lightning_env(rank, world_size)
+    trainer = cases.trainer(world_size, max_epochs=1, strategy=JoinFSDPStrategy())
+    try:
+        trainer.fit(
+            _FailingOnRankOne(after_forward), cases.loader(cases.regression_batches(rank, 2 + 3 * rank))
+        )
+    except Exception as error:  # noqa: BLE001 - the test reports what each rank raised
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("after_forward", [False, True])
+def test_a_rank_failing_after_another_joined_stops_every_rank_naming_it(after_forward: bool) -> None:
+    messages = run_ranks(_fit_failing, 2, after_forward, timeout=90)
+    assert messages == [
+        "JoinAbortedError: Join aborted: rank 1 raised ValueError: bad batch on rank 1",
+        "ValueError: bad batch on rank 1",
+    ]
