@@ -1,8 +1,8 @@
 """The collective recorder's cost on a healthy step.
 
 Its own cost per collective is measured in one process on torch's fake
-backend (collectives that do nothing, so nothing but the recorder varies):
-microseconds, steady to a few percent. The overhead per step, which has the
+backend (collectives that do nothing, so nothing but the recorder varies),
+on our DDP's step under Join: microseconds. The overhead per step, which has the
 goal, is that cost times the collectives our DDP step under Join issues (the
 watch and its heartbeat summaries on, the defaults), over the step's time.
 The step timed with the recorder on and off in adjacent pairs is shown
@@ -55,33 +55,55 @@ def _steps(model: Any, optimizer: torch.optim.Optimizer, data: torch.Tensor, ste
     return (time.perf_counter() - start) / steps
 
 
-# One process on torch's fake backend: microseconds per all_reduce without
-# the recorder, then with it (the best of several repeats of many calls).
+# One process on torch's fake backend (collectives that do nothing, so
+# nothing but the recorder varies): our DDP's step under Join, the recorder
+# on and off in adjacent pairs; what it adds per collective, the user's call
+# site found from inside the backward included.
 _COST_SCRIPT = """
-import json, timeit, torch, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-t = torch.ones(4)
-def per_call():
-    return min(timeit.repeat(lambda: dist.all_reduce(t), number=5000, repeat=7)) / 5000
-before = per_call()
+import json, statistics, time, torch, torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # registers the "fake" backend
+dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
+torch.set_num_threads(1)
 import join_core
-join_core.record_collectives()
-print(json.dumps({"without": before, "with": per_call()}))
+from ddp_join import DistributedDataParallel
+recorder = join_core.record_collectives()
+model = DistributedDataParallel(torch.nn.Linear(16, 16))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+data = torch.randn(8, 16)
+def steps(n):
+    start = time.perf_counter()
+    with model.join():
+        for _ in range(n):
+            optimizer.zero_grad(); model(data).pow(2).mean().backward(); optimizer.step()
+    return (time.perf_counter() - start) / n
+steps(50)
+added, counts = [], []
+for pair in range(20):
+    times = {}
+    for enabled in ((True, False) if pair % 2 == 0 else (False, True)):
+        recorder.enabled = enabled
+        before = recorder.records()[-1].seq if recorder.records() else 0
+        times[enabled] = steps(300)
+        if enabled:
+            counts.append((recorder.records()[-1].seq - before) / 300)
+    added.append(times[True] - times[False])
+print(json.dumps({"added": statistics.median(added), "collectives": statistics.median(counts)}))
 """
+
+_COST_PROCESSES = 3
 
 
 def _cost_per_collective() -> float:
-    """Seconds the recorder adds to one collective (the median of three processes)."""
+    """Seconds the recorder adds to one collective of our DDP's backward (the median of three processes)."""
     costs = []
-    for _ in range(3):
+    for _ in range(_COST_PROCESSES):
         done = subprocess.run(
             [sys.executable, "-c", _COST_SCRIPT], capture_output=True, text=True, timeout=300
         )
         if done.returncode != 0:
             raise RuntimeError(f"the recorder's cost could not be measured:\n{done.stderr}")
         found = json.loads(done.stdout.splitlines()[-1])
-        costs.append(found["with"] - found["without"])
+        costs.append(float(found["added"]) / float(found["collectives"]))
     return statistics.median(costs)
 
 
@@ -136,7 +158,7 @@ def recorder_figures(rounds: int, quick: bool) -> list[Figure]:
     print(f"collective recorder: {cost * 1e6:.2f} us per collective")
     figures = [
         Figure(
-            "Collective recorder cost per collective (one process, fake backend)",
+            "Collective recorder cost per collective of our DDP step (one process, fake backend)",
             "us",
             cost * 1e6,
             _NONE,

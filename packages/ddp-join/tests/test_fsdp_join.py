@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ddp_cases import DEVICES, batch, flat_params, full_tensor, loss_fn, make_model, rank_device, reference
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -21,13 +22,13 @@ def counts(world_size: int) -> list[int]:
     return [BASE + r * EXTRA for r in range(world_size)]
 
 
-def _sharded_model(device: torch.device, nested: bool) -> torch.nn.Module:
+def _sharded_model(device: torch.device, nested: bool, mesh: DeviceMesh | None = None) -> torch.nn.Module:
     model = make_model().to(device)
     if nested:
         for layer in model.children():
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-    fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -231,9 +232,14 @@ def test_failure_between_forward_and_backward_reaches_every_rank() -> None:
 
 
 def _train_with_logging(
-    rank: int, world_size: int, closure: bool, divide: bool
+    rank: int, world_size: int, device: str, backend: str, closure: bool, divide: bool
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = _sharded_model(torch.device("cpu"), nested=True)
+    dev = rank_device(device, backend, rank)
+    # Over the default group, which ShadowCollectives shadows: fully_shard's own
+    # mesh may have a group of its own (CUDA over gloo does).
+    assert dist.group.WORLD is not None
+    mesh = DeviceMesh.from_group(dist.group.WORLD, dev.type)
+    model = _sharded_model(dev, nested=True, mesh=mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     logged: list[float] = []
     with Join([FSDPJoinable(model, optimizer), ShadowCollectives()], divide_by_initial_world_size=divide):
@@ -241,7 +247,7 @@ def _train_with_logging(
 
             def iteration(step: int = step) -> torch.Tensor:
                 optimizer.zero_grad()
-                loss = loss_fn(model, *batch(rank, step))
+                loss = loss_fn(model, *batch(rank, step, dev))
                 synced = loss.detach().clone()
                 dist.all_reduce(synced)  # between the forward and the backward, as Lightning's self.log
                 logged.append(float(synced))
@@ -257,13 +263,18 @@ def _train_with_logging(
 
 
 @pytest.mark.timeout(240)
+@DEVICES
 @pytest.mark.parametrize(
     "closure,divide",
     [pytest.param(True, True, id="closure"), pytest.param(False, False, id="plain-by-active")],
 )
-def test_shadow_collectives_beside_fsdp_shadow_the_loops_all_reduce(closure: bool, divide: bool) -> None:
+def test_shadow_collectives_beside_fsdp_shadow_the_loops_all_reduce(
+    device: str, backend: str, closure: bool, divide: bool
+) -> None:
     world_size = 3
-    results = run_ranks(_train_with_logging, world_size, closure, divide, timeout=120)
+    results = run_ranks(
+        _train_with_logging, world_size, device, backend, closure, divide, backend=backend, timeout=120
+    )
     plain = make_model()
     plain.load_state_dict(results[0][0])
     expected = reference(counts(world_size), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), divide)

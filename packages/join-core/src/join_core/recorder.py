@@ -311,10 +311,14 @@ class CollectiveRecorder:
 _recorder: CollectiveRecorder | None = None
 _install_lock = threading.Lock()
 _DTYPE_NAMES: Final[dict[torch.dtype, str]] = {}
-_internal_code: dict[CodeType, bool] = {}
+# Keyed by id(code), the code kept beside its answer so the id is not reused:
+# hashing a code object hashes its bytecode and constants, every time.
+_internal_code: dict[int, tuple[CodeType, bool]] = {}
 _internal_dirs: list[str] = []
 _TORCH_DIRS: list[int] = [0]  # how many of _internal_dirs are torch's
-_torch_code: dict[CodeType, bool] = {}
+_torch_code: dict[int, tuple[CodeType, bool]] = {}
+#: Past this many code objects (code made at run time, one per call), a cache starts again.
+_CODE_CACHE_LIMIT: Final = 50_000
 
 
 def recorder() -> CollectiveRecorder | None:
@@ -511,34 +515,42 @@ def _package_dirs() -> list[str]:
 
 def is_torch(code: CodeType) -> bool:
     """Whether ``code`` is torch's (or a decorator's torch uses)."""
-    found = _torch_code.get(code)
-    if found is None:
-        if not _internal_dirs:
-            _internal_dirs.extend(_package_dirs())
-        path = os.path.realpath(code.co_filename)
-        found = any(path.startswith(d) for d in _internal_dirs[: _TORCH_DIRS[0]])
-        _torch_code[code] = found
+    known = _torch_code.get(id(code))
+    if known is not None and known[0] is code:
+        return known[1]
+    if not _internal_dirs:
+        _internal_dirs.extend(_package_dirs())
+    path = os.path.realpath(code.co_filename)
+    found = any(path.startswith(d) for d in _internal_dirs[: _TORCH_DIRS[0]])
+    if len(_torch_code) > _CODE_CACHE_LIMIT:
+        _torch_code.clear()
+    _torch_code[id(code)] = (code, found)
     return found
 
 
 def is_internal(code: CodeType) -> bool:
     """Whether ``code`` is torch's or ours, not the user's."""
-    found = _internal_code.get(code)
-    if found is None:
-        path = code.co_filename
-        if not _internal_dirs:
-            _internal_dirs.extend(_package_dirs())
-        found = path.startswith("<") or any(os.path.realpath(path).startswith(d) for d in _internal_dirs)
-        _internal_code[code] = found
+    known = _internal_code.get(id(code))
+    if known is not None and known[0] is code:
+        return known[1]
+    path = code.co_filename
+    if not _internal_dirs:
+        _internal_dirs.extend(_package_dirs())
+    found = path.startswith("<") or any(os.path.realpath(path).startswith(d) for d in _internal_dirs)
+    if len(_internal_code) > _CODE_CACHE_LIMIT:
+        _internal_code.clear()
+    _internal_code[id(code)] = (code, found)
     return found
 
 
 def _user_frame(frame: FrameType | None) -> tuple[CodeType | None, int, str]:
     """The first frame outside torch and our packages: its code, instruction and function."""
     first = frame
+    known = _internal_code
     while frame is not None:
         code = frame.f_code
-        if not is_internal(code):
+        seen = known.get(id(code))
+        if not (seen[1] if seen is not None and seen[0] is code else is_internal(code)):
             return code, frame.f_lasti, code.co_name
         frame = frame.f_back
     if first is not None:

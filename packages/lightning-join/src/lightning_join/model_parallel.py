@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
@@ -139,7 +140,7 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
     def setup_environment(self) -> None:
         """As ModelParallelStrategy's, with a one-dimensional mesh of every
         rank (named ``data_parallel``) instead of a two-dimensional one."""
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
 
         super(ModelParallelStrategy, self).setup_environment()
         self._setup_distributed()
@@ -153,8 +154,11 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
             )
         self._data_parallel_size = world_size
         self._tensor_parallel_size = 1
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (world_size,), mesh_dim_names=("data_parallel",)
+        # Over the default group itself, the one Lightning's own collectives use, so
+        # one ShadowCollectives shadows both (init_device_mesh may make another
+        # group, as on CUDA over gloo).
+        self._device_mesh = DeviceMesh.from_group(
+            _world(), self.root_device.type, mesh_dim_names=("data_parallel",)
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -288,3 +292,9 @@ def _sharded_root(module: torch.nn.Module | None) -> torch.nn.Module:
         "shard the layers, then the module that holds them all (e.g. fully_shard(self.net, "
         "mesh=self.device_mesh)), and call its forward once per step"
     )
+
+
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None, "setup_environment() initializes the default process group first"
+    return group
