@@ -340,3 +340,25 @@ def test_bad_arguments_name_the_argument_and_the_fix() -> None:
 def test_construction_needs_an_initialized_process_group() -> None:
     with pytest.raises(RuntimeError, match=r"call torch\.distributed\.init_process_group"):
         DistributedDataParallel(torch.nn.Linear(2, 2))
+
+
+def _complex_grads(rank: int, world_size: int, join: bool) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(3, 2, dtype=torch.cfloat))
+    x = torch.randn(4, 3, dtype=torch.cfloat, generator=torch.Generator().manual_seed(rank))
+    with Join([model], enable=join):
+        model(x).abs().sum().backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("join", [False, True], ids=["plain", "under-join"])
+def test_complex_parameters_average_as_torch_does(join: bool) -> None:
+    per_rank = run_ranks(_complex_grads, 2, join)
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(3, 2, dtype=torch.cfloat)
+    for rank in range(2):
+        x = torch.randn(4, 3, dtype=torch.cfloat, generator=torch.Generator().manual_seed(rank))
+        (plain(x).abs().sum() / 2).backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in plain.parameters() if p.grad is not None])
+    for grads in per_rank:
+        torch.testing.assert_close(grads, expected)

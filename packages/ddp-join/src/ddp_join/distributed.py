@@ -966,8 +966,6 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         """``dist.all_reduce(tensor, group=self.process_group, async_op=True)``,
         issued on the group itself: a bucket needs none of its checks, and
         its two Python frames cost each gradient reduction microseconds."""
-        if tensor.is_complex():
-            tensor = torch.view_as_real(tensor)
         return self.process_group.allreduce([tensor], self._sum_options)
 
     def _refill(self, bucket: _Bucket) -> None:
