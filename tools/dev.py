@@ -53,6 +53,7 @@ from typing import TextIO
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ROOT / "packages"
+PLUGINS = ROOT / "tools" / "pytest_plugins"  # pytest plugins of the test steps
 CONSTRAINTS = ROOT / "tools" / "constraints.txt"
 #: A torch version to use instead of the one pinned in CONSTRAINTS ("": the pinned one).
 TORCH = os.environ.get("DEV_TORCH", "").strip()
@@ -131,6 +132,7 @@ def _env() -> dict[str, str]:
     env.setdefault("PIP_CONSTRAINT", str(_constraints()))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGINS), env.get("PYTHONPATH")]))
     if not sys.stdout.isatty():  # a pipe or a log file: no terminal codes from the tools either
         for forcing in ("FORCE_COLOR", "CLICOLOR_FORCE", "PY_COLORS"):
             env.pop(forcing, None)
@@ -397,7 +399,7 @@ def steps() -> list[Step]:
         Step("format (ruff format --check)", "check", ("-m", "ruff", "format", "--check", ".")),
         Step("types (mypy --strict)", "check", ("tools/typecheck.py",)),
     ]
-    pytest_args = ("-m", "pytest", "-rs")
+    pytest_args = ("-m", "pytest", "-rs", "-p", "slow_tests")  # tools/pytest_plugins/slow_tests.py
     found += [
         Step(f"unit tests: {p}", f"unit-{p}", pytest_args, PACKAGES / p, pytest=True) for p in packages()
     ]
