@@ -49,7 +49,7 @@ import venv
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Final, TextIO
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ROOT / "packages"
@@ -415,9 +415,14 @@ def steps() -> list[Step]:
     return found
 
 
-#: Package suites that run in the checks' lane all the same: ddp-join's suite
-#: alone takes about as long as every check, so the lanes then end together.
-IN_CHECKS_LANE = ("unit tests: tensorpipe-backend",)
+#: Three lanes run side by side, of about equal length on 2 cores (the tests
+#: mostly wait: on sockets, timeouts and subprocesses): steps named here go to
+#: their lane; other package suites to "suites", every other step to "checks".
+LANE_OF: Final = {
+    "unit tests: tensorpipe-backend": "runs",
+    "integration tests": "runs",
+    "unit tests: lightning-join": "checks",
+}
 
 
 @dataclass
@@ -588,12 +593,19 @@ def _run_step(step: Step, stream: bool, progress: Progress) -> tuple[str, float,
     return verdict, seconds, output
 
 
+def lane_of(step: Step) -> str:
+    """The lane ``step`` runs in: ``LANE_OF``'s, else "suites" for a package's tests, else "checks"."""
+    if step.title in LANE_OF:
+        return LANE_OF[step.title]
+    return "suites" if step.pytest and step.env not in ("check", "run") else "checks"
+
+
 def test(args: list[str]) -> int:
     """Run the steps (all, or those whose titles contain a word of ``args``) and summarize them.
 
-    Two lanes run side by side: the package test suites (one at a time)
-    and every other check (with the suites of IN_CHECKS_LANE), the
-    integration runs last; ``--serial`` runs one
+    Three lanes run side by side (``LANE_OF``): most package test suites,
+    the checks, and the suites that mostly wait on sockets and processes
+    (tensorpipe-backend's, the integration runs); ``--serial`` runs one
     step at a time and streams its output.
     """
     if "-h" in args or "--help" in args:
@@ -609,11 +621,9 @@ def test(args: list[str]) -> int:
         print(f"torch {TORCH} (DEV_TORCH), environments in {VENVS.relative_to(ROOT)}", flush=True)
     for name in dict.fromkeys(s.env for s in chosen if s.env):  # set up first, a line per step
         ensure(name)
-    lanes: dict[bool, list[Step]] = {}
+    lanes: dict[str, list[Step]] = {}
     for step in chosen:
-        # The package suites in one lane; the checks, then the integration runs, in the other.
-        suite = step.pytest and step.env not in ("check", "run") and step.title not in IN_CHECKS_LANE
-        lanes.setdefault(suite and not serial, []).append(step)
+        lanes.setdefault("serial" if serial else lane_of(step), []).append(step)
     results: dict[str, tuple[str, float, str]] = {}
 
     with Progress(sys.stdout, PROGRESS_EVERY_S) as progress:

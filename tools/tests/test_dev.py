@@ -95,9 +95,11 @@ def test_dev_torch_that_is_not_a_version_is_refused(monkeypatch: pytest.MonkeyPa
         dev._env()
 
 
-def test_suites_moved_to_the_checks_lane_are_steps() -> None:
-    titles = {step.title for step in dev.steps()}
-    assert set(dev.IN_CHECKS_LANE) <= titles
+def test_every_lane_named_is_a_step_and_each_lane_has_steps() -> None:
+    steps = dev.steps()
+    assert set(dev.LANE_OF) <= {step.title for step in steps}
+    lanes = {dev.lane_of(step) for step in steps}
+    assert lanes == {"suites", "checks", "runs"}, lanes
 
 
 PROGRESS = """\
