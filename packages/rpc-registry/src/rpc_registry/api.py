@@ -9,9 +9,7 @@ meaning: seconds, ``0`` for none, ``-1`` for the agent's default.
 from __future__ import annotations
 
 import functools
-import heapq
 import io
-import itertools
 import logging
 import math
 import pickle
@@ -31,9 +29,11 @@ from typing_extensions import TypeVarTuple, Unpack
 from . import rref as _rref
 from . import slow_calls
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT, INSTALL_DEFAULT_BACKEND, UNSET_RPC_TIMEOUT
+from .deadlines import _Call, _Deadlines
 from .errors import (
     WorkerNameError,
     WorkerRefTypeError,
+    _name_of,
     check_operator_arguments,
     not_initialized,
     operator_call,
@@ -70,89 +70,6 @@ WorkerRef = WorkerInfo | str | int
 _NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9_:\-]+")
 _MAX_NAME_LENGTH: Final = 128
 _NUM_WORKER_THREADS: Final = 16
-
-
-class _Call:
-    """A call's result future, settled once: by its reply or by its deadline."""
-
-    __slots__ = ("result", "what")
-
-    def __init__(self, result: Future[Any], what: tuple[str, str, object, object]) -> None:
-        self.result: Future[Any] | None = result
-        self.what: tuple[str, str, object, object] | None = what  # caller, callee, request kind, target
-
-    def describe(self, what: tuple[str, str, object, object]) -> str:
-        me, to, kind, target = what
-        return f"rpc from {me} to {to} ({_describe((kind, target))})"
-
-
-class _Deadlines:
-    """One thread that fails calls whose timeout passed."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._heap: list[tuple[float, int, float, _Call]] = []
-        self._live = 0
-        self._seq = itertools.count()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="rpc-registry-timeouts", daemon=True)
-        self._thread.start()
-
-    def add(self, result: Future[Any], timeout: float, what: tuple[str, str, object, object]) -> _Call:
-        """Track ``result``: it fails with ``TimeoutError`` after ``timeout`` s unless settled first."""
-        call = _Call(result, what)
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            self._live += 1
-            if timeout <= 0:
-                return call
-            # Wake the timer thread only if it now has to wake earlier.
-            earliest = not self._heap or deadline < self._heap[0][0]
-            heapq.heappush(self._heap, (deadline, next(self._seq), timeout, call))
-            if earliest:
-                self._cond.notify()
-            elif len(self._heap) > 1024 and len(self._heap) > 4 * self._live:
-                # Settled calls leave their deadline behind: drop those, keep the heap small.
-                self._heap = [entry for entry in self._heap if entry[3].result is not None]
-                heapq.heapify(self._heap)
-        return call
-
-    def claim(self, call: _Call) -> Future[Any] | None:
-        """The call's future if this is the first claim (its settler completes it), else ``None``."""
-        with self._lock:
-            result, call.result = call.result, None
-            if result is not None:
-                self._live -= 1
-                call.what = None
-        return result
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    delay = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cond.wait(delay)
-                if self._stopped:
-                    return
-                _, _, timeout, call = heapq.heappop(self._heap)
-                what = call.what
-            result = self.claim(call)
-            if result is not None and what is not None:
-                fail(
-                    result,
-                    TimeoutError(
-                        f"{call.describe(what)}: no reply within {timeout:g} s; pass a larger timeout, "
-                        "or timeout=0 to wait without limit"
-                    ),
-                )
-            del result, call, what  # keep no finished call alive in this frame
 
 
 def _failure(exc: BaseException, me: WorkerInfo, dest: WorkerInfo) -> tuple[str, object, str]:
@@ -600,17 +517,6 @@ class _RpcState:
             self.grad.clear()
             self.deadlines.stop()
             self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _name_of(func: object) -> str:
-    return getattr(func, "__qualname__", None) or repr(func)
-
-
-def _describe(request: tuple[object, ...]) -> str:
-    kind = request[0]
-    if kind in ("call", "remote"):
-        return f"{kind} {_name_of(request[1])}"
-    return f"{kind} RRef {request[1]}"
 
 
 _init_lock = threading.Lock()

@@ -109,3 +109,8 @@ def not_initialized(rref: bool = False) -> RuntimeError:
             "Call rpc_registry.init_rpc() first"
         )
     return RuntimeError("RPC has not been initialized: call rpc_registry.init_rpc() first")
+
+
+def _name_of(func: object) -> str:
+    """How errors and logs name a called function: its qualified name, else its repr."""
+    return getattr(func, "__qualname__", None) or repr(func)
