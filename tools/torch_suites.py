@@ -291,6 +291,7 @@ def _run_here(rank: int, case: tuple[str, str, str], file_name: str) -> tuple[st
     import torch.distributed
 
     import rpc_registry.api
+    import rpc_registry.engine
 
     suite, cls_name, method = case
     try:
@@ -307,7 +308,7 @@ def _run_here(rank: int, case: tuple[str, str, str], file_name: str) -> tuple[st
     except BaseException:  # noqa: BLE001 - reported to the runner
         return "fail", traceback.format_exc()
     finally:
-        if rpc_registry.api._state is not None:
+        if rpc_registry.engine._state is not None:
             # The next test starts clean either way.
             with contextlib.suppress(Exception):
                 rpc_registry.api.shutdown(graceful=False)

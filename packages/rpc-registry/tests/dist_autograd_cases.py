@@ -10,7 +10,7 @@ from torch.futures import Future
 
 import rpc_registry.autograd as dist_autograd
 from rpc_registry import RRef, rpc_sync
-from rpc_registry.api import _current
+from rpc_registry.engine import _current
 from rpc_registry.functions import async_execution
 
 

@@ -31,7 +31,7 @@ import torch
 from torch.futures import Future
 from torch.utils.hooks import RemovableHandle
 
-from . import api
+from . import engine
 from .functions import async_execution
 from .grad_contexts import GradContext
 from .protocols import WorkerInfo
@@ -69,7 +69,7 @@ class context:
         self._context_id: int | None = None
 
     def __enter__(self) -> int:
-        state = api._current()
+        state = engine._current()
         self._context_id = state.grad.new_context().context_id
         return self._context_id
 
@@ -80,7 +80,7 @@ class context:
         traceback: TracebackType | None,
     ) -> None:
         context_id, self._context_id = self._context_id, None
-        state = api._state
+        state = engine._state
         if state is None or context_id is None:
             return  # RPC shut down inside the body: its contexts are gone with it
         state.grad.clear_current()
@@ -93,7 +93,7 @@ class context:
             logger.warning("releasing autograd context %d on its workers failed: %s", context_id, exc)
 
 
-def _release_on_workers(state: api._RpcState, released: GradContext) -> Future[list[Future[Any]]]:
+def _release_on_workers(state: engine._RpcState, released: GradContext) -> Future[list[Future[Any]]]:
     timeout = state.resolve_timeout(-1)
     futures = [
         state.request(worker, ("call", _release_here, (released.context_id,), {}), timeout, in_context=False)
@@ -106,7 +106,7 @@ def _release_on_workers(state: api._RpcState, released: GradContext) -> Future[l
 @async_execution
 def _release_here(context_id: int) -> Future[None]:
     """Release ``context_id`` on this worker and on the workers it reached from here."""
-    state = api._current()
+    state = engine._current()
     released = state.grad.release(context_id)
     if released is None:
         return completed(None)
@@ -153,7 +153,7 @@ def _check_context_id(context_id: object) -> int:
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """The gradients of this worker's leaf tensors accumulated in context ``context_id``."""
-    context = api._current().grad.get(_check_context_id(context_id))
+    context = engine._current().grad.get(_check_context_id(context_id))
     with context.lock:
         return dict(context.grads)
 
@@ -183,7 +183,7 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     registered from C++ on such a node do not run.
     """
     del retain_graph  # graphs live until the context ends (see the docstring)
-    state = api._current()
+    state = engine._current()
     context = state.grad.get(_check_context_id(context_id))
     if not isinstance(roots, (list, tuple)):
         raise TypeError(f"incompatible function arguments: roots={roots!r} must be a list of tensors")
@@ -357,7 +357,7 @@ def _accumulate(
 
 
 def _run_pass(
-    state: api._RpcState, context: GradContext, outputs: list[torch.Tensor], grads: list[torch.Tensor]
+    state: engine._RpcState, context: GradContext, outputs: list[torch.Tensor], grads: list[torch.Tensor]
 ) -> Future[None]:
     """Backpropagate ``grads`` from ``outputs`` here, then to the senders of recv leaves reached."""
     me = state.me
@@ -413,7 +413,7 @@ def _run_pass(
 @async_execution
 def _backward_from_send(context_id: int, send_id: int, grads: dict[int, torch.Tensor]) -> Future[None]:
     """Continue backward on the worker that sent tensors: ``grads`` by their position in the send."""
-    state = api._current()
+    state = engine._current()
     context = state.grad.get(context_id)
     with context.lock:
         sent = context.sends.get(send_id)

@@ -20,8 +20,10 @@ from torch import nn
 from torch.futures import Future
 from typing_extensions import Self
 
-from .api import _current, get_worker_info, pickling_for_rpc, rpc_async, rpc_sync
+from .api import get_worker_info, rpc_async, rpc_sync
+from .engine import _current
 from .errors import ModuleClassError
+from .pickling import pickling_for_rpc
 from .protocols import WorkerInfo
 from .rref import RRef
 

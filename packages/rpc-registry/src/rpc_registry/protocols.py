@@ -5,7 +5,7 @@ A backend provides two handlers. The options handler builds an
 and returns an :class:`RpcAgent`. The agent only moves :class:`Message` objects
 between workers; everything else (pickling, RRef reference counting,
 ``async_execution``, the meaning of timeouts) is done once by
-:mod:`rpc_registry.api` on top of it.
+:mod:`rpc_registry.engine` on top of it.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ WireRRef = tuple[WorkerInfo, RRefId, ForkId | None]
 
 
 class RRefRuntime(Protocol):
-    """What RRefs need from the RPC layer (implemented in :mod:`rpc_registry.api`)."""
+    """What RRefs need from the RPC layer (implemented in :mod:`rpc_registry.engine`)."""
 
     @property
     def me(self) -> WorkerInfo:
