@@ -22,6 +22,7 @@ from torch.distributed.distributed_c10d import Store
 from torch.futures import Future
 from typing_extensions import TypeVarTuple, Unpack
 
+from . import autograd as _autograd
 from . import engine as _engine
 from . import rref as _rref
 from . import slow_calls
@@ -183,7 +184,7 @@ def init_rpc(
             world_size=world_size,
             rpc_backend_options=options,
         )
-        state = _RpcState(agent)
+        state = _RpcState(agent, _autograd.backward)
         _rref.set_context(state.rrefs)
         # Set before the first request runs: a called function may use RPC itself, and peers
         # that finished init_rpc first may have sent requests already.

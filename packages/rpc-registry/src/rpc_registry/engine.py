@@ -73,8 +73,11 @@ def _failure(exc: BaseException, me: WorkerInfo, dest: WorkerInfo) -> tuple[str,
 class _RpcState:
     """One initialized RPC session: the agent plus everything generic around it."""
 
-    def __init__(self, agent: RpcAgent) -> None:
+    def __init__(self, agent: RpcAgent, backward: Callable[[int, list[torch.Tensor], bool], None]) -> None:
         self.agent = agent
+        # Distributed autograd's backward pass, which RRef.backward runs on the owner: passed in,
+        # as rpc_registry.autograd builds on this module.
+        self.backward = backward
         self._me = agent.get_worker_info()
         self.executor = ThreadPoolExecutor(_NUM_WORKER_THREADS, thread_name_prefix="rpc-registry")
         self.inline = bool(getattr(agent, "handler_may_block", False))

@@ -70,6 +70,11 @@ class RRefRuntime(Protocol):
         """Run ``func`` on ``to`` and return a reference to its result."""
         ...
 
+    def backward(self, context_id: int, roots: list[torch.Tensor], retain_graph: bool) -> None:
+        """Distributed autograd's backward pass of ``roots`` in context ``context_id``
+        (:func:`rpc_registry.autograd.backward`, which builds on this module)."""
+        ...
+
 
 def wait_for(fut: Future[T], timeout: float, what: str) -> T:
     """``fut``'s value, waiting at most ``timeout`` seconds (``0``: no limit)."""
@@ -569,9 +574,7 @@ def _backward_value(rref: RRef[Any], context_id: int, retain_graph: bool) -> Non
     if context_id == -1:
         value.backward(retain_graph=retain_graph)
         return
-    from . import autograd  # imported here: autograd builds on this module
-
-    autograd.backward(context_id, [value], retain_graph=retain_graph)
+    rref._ctx.runtime.backward(context_id, [value], retain_graph)
 
 
 def _missing_attribute(rref: RRef[Any], name: str) -> str | None:
