@@ -57,7 +57,7 @@ from rpc_registry import Message, RequestHandler, WorkerInfo
 from rpc_registry.errors import WorkerNameError
 
 from .address import ADDR_ENV, check_reachable, listen_host
-from .calls import Calls, Pending, Reply, ReplySink
+from .calls import Calls, Reply
 from .connection import KEEPALIVES, Connection, prepare_tensor
 from .device_maps import create_device_list, create_reverse_mapping, validate_device_maps
 from .group import (
@@ -75,6 +75,7 @@ from .group import (
 from .liveness import Liveness
 from .options import DeviceMap, TensorPipeRpcBackendOptions
 from .peers import Peers
+from .pending import Pending, ReplySink
 from .reader import Readers, reading
 from .requests import Requests
 from .rounds import GroupRounds, RoundFailedError

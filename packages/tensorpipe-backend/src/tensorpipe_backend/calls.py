@@ -14,54 +14,18 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
-from torch.futures import Future
 
 from rpc_registry import Message
 
 from .connection import Connection
+from .pending import Pending
 from .wire import Kind
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-__all__ = ["Calls", "Pending", "Reply", "ReplySink", "remote_failure", "unplaceable"]
-
-ReplySink = Future[Message] | Callable[[Message | BaseException], None]
-"""What a call's outcome goes to: a future, or a callback."""
-
-
-def _fail(fut: Future[Any], exc: BaseException) -> None:
-    fut.set_exception(exc)
-
-
-class Pending:
-    """A call waiting for its reply, and the shared-memory files its request left at the peer."""
-
-    __slots__ = ("msg_id", "peer", "shm_tokens", "sink")
-
-    def __init__(self, sink: ReplySink, msg_id: int, peer: str) -> None:
-        self.sink: ReplySink = sink
-        self.msg_id: int = msg_id
-        self.peer: str = peer
-        self.shm_tokens: list[bytes] = []
-
-    def deliver(self, outcome: Message | BaseException) -> None:
-        """Complete the future, or call the callback, with the reply or the error."""
-        sink = self.sink
-        if not isinstance(sink, Future):
-            sink(outcome)
-        elif isinstance(outcome, BaseException):
-            _fail(sink, outcome)
-        else:
-            sink.set_result(outcome)
-
-    @property
-    def what(self) -> str:
-        """The call, as error messages name it."""
-        return f"rpc {self.msg_id} to {self.peer}"
+__all__ = ["Calls", "Reply", "remote_failure", "unplaceable"]
 
 
 class Reply:

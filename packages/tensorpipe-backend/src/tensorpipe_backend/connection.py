@@ -18,7 +18,7 @@ import functools
 import select
 import socket
 import threading
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import torch
 
@@ -27,6 +27,7 @@ from rpc_registry import WorkerInfo
 from .buffers import RECEIVE_BUFFERS
 from .lane import LANE_MIN_BYTES, Lane, lane_head, split_transfer
 from .options import DeviceMap
+from .pending import Pending
 from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles
 from .transport import DataWait
 from .wire import (
@@ -42,9 +43,6 @@ from .wire import (
     small_frame,
     tensor_bytes,
 )
-
-if TYPE_CHECKING:
-    from .calls import Pending
 
 __all__ = ["KEEPALIVES", "SMALL_PAYLOAD", "Connection", "prepare_tensor"]
 
