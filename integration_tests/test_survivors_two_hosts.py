@@ -99,6 +99,9 @@ def test_survivors_on_both_hosts_finish_the_epoch_exactly(tmp_path: Path) -> Non
     _check(tmp_path, [0, 1, 2], {3: 4})
 
 
+@pytest.mark.slow(
+    reason="two hosts' agents and four ranks each import torch; the survivors then wait out the liveness timeout of the host cut off (about 40 s)"
+)
 def test_the_survivors_of_a_host_cut_off_finish_the_epoch_exactly(tmp_path: Path) -> None:
     mark = tmp_path / "training"
     args = ["--result-dir", str(tmp_path), "--step-seconds", "0.3", "--mark", str(mark)]

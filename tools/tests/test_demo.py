@@ -42,6 +42,9 @@ def test_cuda_without_a_usable_device_is_one_sentence() -> None:
     assert line.startswith("demo: --device cuda: no usable CUDA device") and line.endswith("use --device cpu")
 
 
+@pytest.mark.slow(
+    reason="the whole demo through dev.py: its launcher and ranks import torch, train and evaluate (about 40 s on two cores)"
+)
 def test_demo_through_dev_draws_live_progress_on_a_terminal_without_numpy_warnings() -> None:
     main, child = pty.openpty()
     proc = subprocess.Popen(

@@ -134,6 +134,9 @@ def test_two_agents_of_one_job_go_on_without_a_lost_worker_and_agree() -> None:
     assert sum("the agent keeps the others running" in run.output for run in runs) == 1
 
 
+@pytest.mark.slow(
+    reason="two launchers whose workers import torch; the survivor's agent waits out the silent agent's timeout while its worker sleeps 10 s (about 40 s)"
+)
 def test_an_agent_that_goes_silent_has_its_workers_counted_lost(tmp_path: Path) -> None:
     store = _job_store()
     nodes = _two_nodes(store, "--agent-timeout", "3")
