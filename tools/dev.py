@@ -551,14 +551,16 @@ class Progress:
                 self.out.flush()
 
 
-def _run_step(step: Step, stream: bool, progress: Progress) -> tuple[str, float, str]:
-    """Run one step; its verdict, seconds and output. Unless ``stream``, print its
-    output when done, under a header of its own."""
+def _run_step(step: Step, stream: bool, progress: Progress) -> tuple[str, float, str, float | None]:
+    """Run one step; its verdict, seconds, output and the CPU seconds its processes used (None
+    when not counted: streamed, or no ``os.wait4``). Unless ``stream``, print its output when
+    done, under a header of its own."""
     start = time.monotonic()
+    cpu: float | None = None
     if step.env is None and shutil.which(step.args[0]) is None:
         reason = f"{step.args[0]} not found on PATH (install Node.js to lint the workflows)"
         progress.print(f"\n{step.title}: skipped: {reason}")
-        return f"skipped: {reason}", 0.0, ""
+        return f"skipped: {reason}", 0.0, "", None
     cmd = [*([str(ensure(step.env))] if step.env else []), *step.args]
     if stream:
         print(f"\n===== {step.title} =====", flush=True)
@@ -580,6 +582,10 @@ def _run_step(step: Step, stream: bool, progress: Progress) -> tuple[str, float,
                 if count is not None:
                     with progress.lock:
                         count.feed(text)
+            if hasattr(os, "wait4"):  # its CPU time with that of the processes it waited for
+                _, status, usage = os.wait4(proc.pid, 0)
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                cpu = usage.ru_utime + usage.ru_stime
         code, output = proc.returncode, "".join(chunks)
         with progress.lock:
             del progress.running[step.title]
@@ -590,7 +596,7 @@ def _run_step(step: Step, stream: bool, progress: Progress) -> tuple[str, float,
     if not stream:
         done = f"[done] {step.title}: {verdict} ({seconds:.0f} s)"
         progress.print(f"\n===== {step.title} =====\n$ {' '.join(cmd)}\n{output}{done}")
-    return verdict, seconds, output
+    return verdict, seconds, output, cpu
 
 
 def lane_of(step: Step) -> str:
@@ -624,7 +630,8 @@ def test(args: list[str]) -> int:
     lanes: dict[str, list[Step]] = {}
     for step in chosen:
         lanes.setdefault("serial" if serial else lane_of(step), []).append(step)
-    results: dict[str, tuple[str, float, str]] = {}
+    results: dict[str, tuple[str, float, str, float | None]] = {}
+    started = time.monotonic()
 
     with Progress(sys.stdout, PROGRESS_EVERY_S) as progress:
 
@@ -642,14 +649,22 @@ def test(args: list[str]) -> int:
     tally = Tally()
     print()
     for step in chosen:
-        verdict, seconds, output = results[step.title]
+        verdict, seconds, output, cpu = results[step.title]
         if step.pytest:
             tally.add(output)
-        print(f"{step.title:48} {verdict:20} {seconds:6.1f} s")
+        used = "" if cpu is None else f" {cpu:6.1f} s CPU"
+        print(f"{step.title:48} {verdict:20} {seconds:6.1f} s{used}")
+    wall = time.monotonic() - started
+    counted = [c for _, _, _, c in results.values() if c is not None]
     print(f"tests: {tally.passed} passed, {tally.failed} failed, {tally.skipped} skipped")
+    if counted:
+        busy = sum(counted) / wall if wall else 0.0
+        print(
+            f"in {wall:.0f} s, {sum(counted):.0f} s of CPU ({busy:.1f} of {os.cpu_count()} cores busy on average)"
+        )
     for reason, count in sorted(tally.reasons.items()):
         print(f"  {count} skipped: {reason}")
-    return 0 if all(v == "ok" or v.startswith("skipped") for v, _, _ in results.values()) else 1
+    return 0 if all(v == "ok" or v.startswith("skipped") for v, _, _, _ in results.values()) else 1
 
 
 def main(argv: list[str]) -> int:

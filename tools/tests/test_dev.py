@@ -124,6 +124,31 @@ def test_pytest_progress_is_counted_as_it_comes() -> None:
     assert (count.done, count.failed, str(count)) == (7, 2, "7/7 tests, 2 failed")
 
 
+def test_the_summary_gives_each_steps_cpu_time_and_the_cores_kept_busy(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A step whose child burns about 1 s of CPU, and one that sleeps.
+    burn = dev.Step(
+        "a burner",
+        None,
+        (
+            "sh",
+            "-c",
+            "python3 -c 'import time; t = time.process_time()\nwhile time.process_time() - t < 1: pass'",
+        ),
+    )
+    sleep = dev.Step("a sleeper", None, ("sleep", "1"))
+    monkeypatch.setattr(dev, "steps", lambda: [burn, sleep])
+    assert dev.test([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    burned = float(next(x for x in lines if x.startswith("a burner ")).split()[-3])
+    slept = float(next(x for x in lines if x.startswith("a sleeper ")).split()[-3])
+    assert burned >= 0.9 and slept < 0.5, lines
+    assert any(x.startswith("in ") and "s of CPU (" in x and "cores busy on average)" in x for x in lines), (
+        lines
+    )
+
+
 def test_each_steps_output_is_under_its_own_header_with_progress_lines_when_piped(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
