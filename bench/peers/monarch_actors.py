@@ -1,6 +1,6 @@
 """Monarch actors: the driver calls an actor in a process of its own (``torchmonarch`` from PyPI).
 
-    python -m bench_peers.monarch_actors --workload pair|ps --launched-at T [--quick]
+    python -m peers.monarch_actors --workload pair|ps --launched-at T [--quick]
 
 The driver spawns the actors' processes on this host (``this_host().spawn_procs``):
 one for the echo actor, or one for the parameter server and 8 for the
@@ -18,7 +18,7 @@ from typing import Any, Final
 import torch
 from monarch.actor import Actor, endpoint, this_host
 
-from bench_peers.workloads import (
+from peers.workloads import (
     PAYLOAD,
     PS_TRAINERS,
     PS_WARMUP,
@@ -114,4 +114,4 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     # Through the module's own name, so that the actor processes import the classes by it.
-    sys.exit(importlib.import_module("bench_peers.monarch_actors")._main(sys.argv[1:]))
+    sys.exit(importlib.import_module("peers.monarch_actors")._main(sys.argv[1:]))

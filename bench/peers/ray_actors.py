@@ -1,6 +1,6 @@
 """Ray actors: the driver calls an actor in a process of its own (``ray`` from PyPI).
 
-    python -m bench_peers.ray_actors --workload pair|ps --launched-at T [--quick]
+    python -m peers.ray_actors --workload pair|ps --launched-at T [--quick]
 
 ``ray.init`` starts a local Ray instance (its own daemons besides the
 driver and the actor processes); every actor asks for no CPU, so that the
@@ -20,7 +20,7 @@ from typing import Any, Final
 import ray
 import torch
 
-from bench_peers.workloads import (
+from peers.workloads import (
     PAYLOAD,
     PS_TRAINERS,
     PS_WARMUP,
@@ -117,4 +117,4 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     # Through the module's own name, so that the actor processes import the classes by it.
-    sys.exit(importlib.import_module("bench_peers.ray_actors")._main(sys.argv[1:]))
+    sys.exit(importlib.import_module("peers.ray_actors")._main(sys.argv[1:]))
