@@ -20,7 +20,7 @@ import torch
 from training_common import reference_dense
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tools"))
+sys.path.insert(0, str(HERE.parent / "bench"))
 
 from bench_hosts import two_hosts  # noqa: E402
 

@@ -338,7 +338,7 @@ def demo(args: list[str]) -> int:
 
 
 def bench(args: list[str]) -> int:
-    return _run_here([str(ensure("run")), "tools/bench.py", *args])
+    return _run_here([str(ensure("run")), "bench/run.py", *args])
 
 
 def suites(args: list[str]) -> int:

@@ -2,7 +2,7 @@
 
 - The Benchmarks page takes the tables from bench/results.md and
   bench/results-peers.md (a marker ``<!-- bench/results.md -->`` is replaced
-  by that file) and the plots beside them, written by tools/bench.py.
+  by that file) and the plots beside them, written by bench/run.py.
 - An API reference page (``<!-- api: join-core -->``) lists every public
   name of that package, from tools/api_reference.py.
 - The Security model page shows the "Security" section of

@@ -1,7 +1,8 @@
 """mypy --strict (mypy.ini) over every package's sources and tests.
 
 Each package is checked on its own, with its tests folder on the path, so
-test helper modules of different packages never collide.
+test helper modules of different packages never collide; then the
+integration runs, the tools and the benchmark (bench/) together.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ def main() -> int:
         cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "mypy.ini"), *targets]
         if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:
             failed.append(package.name)
-    # The integration runs and the tools (the demo imports the launcher) together.
-    folders = [f for f in ("integration_tests", "tools") if (ROOT / f).is_dir()]
+    # The integration runs, the tools (the demo imports the launcher) and the benchmark
+    # (it imports tools/dev.py; an integration run imports it) together.
+    folders = [f for f in ("integration_tests", "tools", "bench") if (ROOT / f).is_dir()]
     print(f"mypy: {', '.join(folders)}", flush=True)
-    env = dict(os.environ, MYPYPATH=f"{ROOT / 'integration_tests'}{os.pathsep}{ROOT / 'tools'}")
+    env = dict(os.environ, MYPYPATH=os.pathsep.join(str(ROOT / f) for f in folders))
     cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "mypy.ini"), *folders]
     if subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0:
         failed.extend(folders)

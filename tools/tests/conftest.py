@@ -1,10 +1,11 @@
-"""The tools are scripts, not a package: make them importable by the tests."""
+"""The tools and the benchmark are scripts, not packages: make them importable by the tests."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent.parent
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
+ROOT = Path(__file__).resolve().parent.parent.parent
+for folder in (ROOT / "tools", ROOT / "bench"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))

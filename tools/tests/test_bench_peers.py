@@ -1,4 +1,4 @@
-"""tools/bench_peers: a peer that cannot install or run is named with the reason and the run
+"""bench/peers: a peer that cannot install or run is named with the reason and the run
 goes on; the workloads check what comes back; the table compares ours with the best other."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import dev
 import pytest
 import torch
-from bench_peers import report
-from bench_peers.runner import PEERS, Outcome, PeerSpec, run_once, run_peers
-from bench_peers.workloads import measure_pair, ps_rate
+from peers import report
+from peers.runner import PEERS, Outcome, PeerSpec, run_once, run_peers
+from peers.workloads import measure_pair, ps_rate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,11 +34,11 @@ def test_a_peer_pip_cannot_install_is_named_with_pips_reason(monkeypatch: pytest
 
 
 def test_a_peer_whose_process_fails_is_reported_with_its_error() -> None:
-    spec = PeerSpec("missing", "missing", "run", "bench_peers.no_such_module", "torch", "torch")
+    spec = PeerSpec("missing", "missing", "run", "peers.no_such_module", "torch", "torch")
     result = run_once(spec, Path(sys.executable), "pair", quick=True)
     assert isinstance(result, str)
     assert result.startswith("pair: exit 1: ")
-    assert "No module named bench_peers.no_such_module" in result
+    assert "No module named peers.no_such_module" in result
 
 
 class _LocalPeer:

@@ -1,4 +1,4 @@
-"""tools/bench_torchft.py: where torchft cannot install or run, its figures say why and
+"""bench/bench_torchft.py: where torchft cannot install or run, its figures say why and
 the bench goes on."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import bench_torchft
 import dev
 import pytest
-from bench_peers.environments import Ready
 from benchlib import write_results
+from peers.environments import Ready
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,7 +1,7 @@
 """RPC benchmarks: ``rpc_registry`` on the TENSORPIPE backend against torch's own RPC agent.
 
-    PYTHONPATH=packages/join-core/src:packages/rpc-registry/src:packages/tensorpipe-backend/src:tools \
-        python tools/bench_rpc.py [--rounds N] [--quick]
+    PYTHONPATH=packages/join-core/src:packages/rpc-registry/src:packages/tensorpipe-backend/src:bench \
+        python bench/bench_rpc.py [--rounds N] [--quick]
 
 Every round starts two fresh processes (127.0.0.1, CPU) for each stack, ours
 and torch's in alternating order, and measures in each what

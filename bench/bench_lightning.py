@@ -74,21 +74,23 @@ def _fit_time(world_size: int, join: bool, steps: int) -> tuple[float, float]:
 
     timer = Timer()
     data = TensorDataset(torch.randn(32 * steps, 256))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=JoinDDPStrategy() if join else DDPStrategy(),
-        use_distributed_sampler=False,
-        max_epochs=1,
-        callbacks=[timer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=tempfile.mkdtemp(prefix="bench-lightning-"),
-    )
-    trainer.fit(MLP(), DataLoader(data, batch_size=32))
+    # Lightning's root folder is of no use after the fit: removed with what it holds.
+    with tempfile.TemporaryDirectory(prefix="bench-lightning-") as root:
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=JoinDDPStrategy() if join else DDPStrategy(),
+            use_distributed_sampler=False,
+            max_epochs=1,
+            callbacks=[timer],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=root,
+        )
+        trainer.fit(MLP(), DataLoader(data, batch_size=32))
     timed = steps - _WARMUP
     return (timer.end - timer.start) / timed, (timer.cpu_end - timer.cpu_start) / timed
 

@@ -11,7 +11,7 @@ on healthy iterations, and how long the survivors take to go on.
   completed iteration (new processes, rendezvous, process group; no
   checkpoint to load, so a lower bound). And torchft's: 3 replica groups
   of one process on the same MLP, from the loss to the survivors' next
-  committed step (tools/bench_torchft.py; in an environment of its own, and
+  committed step (bench/bench_torchft.py; in an environment of its own, and
   named with the reason where it cannot run).
 
 Times across processes are CLOCK_MONOTONIC readings, which every process of

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
 
-from bench_peers.environments import Unavailable, prepare
-from bench_peers.workloads import PS_TRAINERS, RESULT_PREFIX
+from peers.environments import Unavailable, prepare
+from peers.workloads import PS_TRAINERS, RESULT_PREFIX
 
 __all__ = ["PEERS", "Outcome", "PeerSpec", "run_once", "run_peers"]
 
 _RUN_TIMEOUT_S: Final = 300.0
-_TOOLS: Final = Path(__file__).resolve().parent.parent
+_BENCH: Final = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -43,22 +43,18 @@ class PeerSpec:
     module: str
     dist: str  # the distribution whose version the table shows
     imports: str  # what must import in the environment
-    stack: str | None = None  # for bench_peers.rpc_api: the runner starts every rank
+    stack: str | None = None  # for peers.rpc_api: the runner starts every rank
 
 
 PEERS: Final = (
-    PeerSpec(
-        "ours", "ours", "run", "bench_peers.rpc_api", "rpc-registry", "tensorpipe_backend", stack="ours"
-    ),
-    PeerSpec(
-        "torch", "torch RPC", "run", "bench_peers.rpc_api", "torch", "torch.distributed.rpc", stack="torch"
-    ),
-    PeerSpec("ray", "Ray actors", "peer-ray", "bench_peers.ray_actors", "ray", "ray"),
+    PeerSpec("ours", "ours", "run", "peers.rpc_api", "rpc-registry", "tensorpipe_backend", stack="ours"),
+    PeerSpec("torch", "torch RPC", "run", "peers.rpc_api", "torch", "torch.distributed.rpc", stack="torch"),
+    PeerSpec("ray", "Ray actors", "peer-ray", "peers.ray_actors", "ray", "ray"),
     PeerSpec(
         "monarch",
         "Monarch actors",
         "peer-monarch",
-        "bench_peers.monarch_actors",
+        "peers.monarch_actors",
         "torchmonarch",
         "monarch.actor",
     ),
@@ -112,7 +108,7 @@ def _last_line(log: IO[str]) -> str:
 def run_once(spec: PeerSpec, python: Path, workload: str, quick: bool) -> dict[str, float] | str:
     """One run of ``workload`` (``pair`` or ``ps``) for ``spec`` in fresh processes: the figures
     its first process printed, or why there are none."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_TOOLS), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_BENCH), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     launched_at = time.time()
     commands = _commands(spec, python, workload, quick, launched_at)

@@ -10,10 +10,16 @@ does not import there, is reported with the reason rather than failing the run.
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import dev
+# The environments are tools/dev.py's; the benchmark lives beside tools/, not in it.
+_TOOLS = str(Path(__file__).resolve().parents[2] / "tools")
+if _TOOLS not in sys.path:
+    sys.path.append(_TOOLS)
+
+import dev  # noqa: E402
 
 __all__ = ["Ready", "Unavailable", "prepare"]
 

@@ -1,11 +1,11 @@
 """torchft's time from a lost replica to the survivors' next committed step, beside ours.
 
     python3 tools/dev.py bench --only continue [--quick]   # in the section's table
-    .venvs/run/bin/python tools/bench_torchft.py [RUNS]     # torchft's figures alone
+    .venvs/run/bin/python bench/bench_torchft.py [RUNS]     # torchft's figures alone
 
 torchft (``torchft==0.2.0`` and what it needs, pinned in ``dev.PEERS``) installs
 into .venvs/peer-torchft over .venvs/torch, so it runs on the one CPU torch
-and the run environment never sees it. tools/bench_torchft_replicas.py runs
+and the run environment never sees it. bench/bench_torchft_replicas.py runs
 there, in processes of its own: a ``torchft_lighthouse``, 3 replica groups
 of one process training the MLP, one of them killed (SIGKILL) in iteration 5.
 
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from bench_peers.environments import Ready, prepare
 from benchlib import Figure
+from peers.environments import Ready, prepare
 
 __all__ = ["Recovery", "torchft_figures", "torchft_recovery"]
 

@@ -1,7 +1,7 @@
 """Ours (``rpc_registry`` on ``tensorpipe_backend``) and torch's ``torch.distributed.rpc``:
 one worker for both, as the two share torch's API.
 
-    python -m bench_peers.rpc_api --stack ours|torch --rank R --world-size N --port P \\
+    python -m peers.rpc_api --stack ours|torch --rank R --world-size N --port P \\
         --workload pair|ps --launched-at T [--quick]
 
 The runner starts every rank. ``pair``: 2 ranks, rank 0 calls rank 1.
@@ -20,7 +20,7 @@ from typing import Any, Final
 
 import torch
 
-from bench_peers.workloads import (
+from peers.workloads import (
     PAYLOAD,
     PS_WARMUP,
     emit,
@@ -128,4 +128,4 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     # Through the module's own name, so that the ranks find noop, echo and train by it.
-    sys.exit(importlib.import_module("bench_peers.rpc_api")._main(sys.argv[1:]))
+    sys.exit(importlib.import_module("peers.rpc_api")._main(sys.argv[1:]))

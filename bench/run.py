@@ -8,19 +8,19 @@ same two processes (127.0.0.1, gloo, CPU), and reports medians. Writes
 bench/results.md and bench/results.png, prints the table, and exits 1 if a
 goal is missed. Also counts, with torch.profiler, the gloo collectives one
 healthy iteration issues with and without Join. The FSDP2 and ZeRO memory
-figures come from tools/bench_fsdp.py, the Lightning step (JoinDDPStrategy
-against DDPStrategy) from tools/bench_lightning.py.
+figures come from bench/bench_fsdp.py, the Lightning step (JoinDDPStrategy
+against DDPStrategy) from bench/bench_lightning.py.
 
 The second round's figures are measured against limits: our DDP step over
 the same step with no communication, DDP at 4 ranks, rpc_sync against a raw
 socket round trip in the same processes, a parameter server (8 trainers, and
 1 trainer for context).
-``--scale`` adds 24 RPC workers on one host (tools/bench_scale.py) and
+``--scale`` adds 24 RPC workers on one host (bench/bench_scale.py) and
 ``--two-hosts`` a 64 MiB echo between two network namespaces (root;
-tools/bench_hosts.py). ``uptime`` before and after goes in the results.
+bench/bench_hosts.py). ``uptime`` before and after goes in the results.
 
 ``--peers`` runs instead the RPC workloads on ours, torch's RPC, Ray actors
-and Monarch actors, each in an environment of its own (tools/bench_peers/),
+and Monarch actors, each in an environment of its own (bench/peers/),
 and writes bench/results-peers.md and bench/results-peers.png; PEERS picks
 some of ours,torch,ray,monarch (default all). A peer that cannot install or
 run is named in the table with the reason; it never fails the run.
@@ -42,13 +42,13 @@ from bench_continue import continue_figures
 from bench_fsdp import fsdp_figures
 from bench_hosts import two_host_figures
 from bench_lightning import lightning_figures
-from bench_peers import report as peers_report
-from bench_peers.runner import PEERS, run_peers
 from bench_recorder import recorder_figures
 from bench_rpc import ps_figures, rpc_figures
 from bench_scale import scale_figures
 from bench_shadow import shadow_figures
 from benchlib import Figure, write_results
+from peers import report as peers_report
+from peers.runner import PEERS, run_peers
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_join import DistributedDataParallel

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from bench_peers.runner import Outcome
-from bench_peers.workloads import ECHO_MIB, PS_MIB, PS_TRAINERS
+from peers.runner import Outcome
+from peers.workloads import ECHO_MIB, PS_MIB, PS_TRAINERS
 
 __all__ = ["ROWS", "Row", "table", "write"]
 

@@ -1,7 +1,7 @@
 """64 MiB echo between two "hosts": two network namespaces joined by a veth pair (root only).
 
-    PYTHONPATH=packages/join-core/src:packages/rpc-registry/src:packages/tensorpipe-backend/src:tools \
-        python tools/bench_hosts.py [--rounds N] [--quick]
+    PYTHONPATH=packages/join-core/src:packages/rpc-registry/src:packages/tensorpipe-backend/src:bench \
+        python bench/bench_hosts.py [--rounds N] [--quick]
 
 Makes the namespaces ``tpb-bench-a-<pid>`` and ``tpb-bench-b-<pid>`` with
 ``ip netns``, a veth pair between them (10.213.<n>.1 and .2, nothing else

@@ -1,6 +1,6 @@
 """Benchmarks of FSDP2 under Join and of ZeroRedundancyOptimizer's memory.
 
-    python tools/bench_fsdp.py [--rounds N] [--quick]
+    python bench/bench_fsdp.py [--rounds N] [--quick]
 
 - FSDP2 step time under ``Join([FSDPJoinable(...)])`` against plain FSDP2
   without Join, with even inputs: adjacent pairs of runs in alternating

@@ -1,6 +1,6 @@
-"""torchft's answer to a lost replica, run inside .venvs/peer-torchft (tools/bench_torchft.py).
+"""torchft's answer to a lost replica, run inside .venvs/peer-torchft (bench/bench_torchft.py).
 
-    python tools/bench_torchft_replicas.py --out DIR [--join-timeout-ms MS]
+    python bench/bench_torchft_replicas.py --out DIR [--join-timeout-ms MS]
 
 Starts a ``torchft_lighthouse`` on 127.0.0.1 (an OS-picked port) as torchft's
 README runs it (``--min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms

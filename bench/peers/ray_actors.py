@@ -1,24 +1,26 @@
-"""Monarch actors: the driver calls an actor in a process of its own (``torchmonarch`` from PyPI).
+"""Ray actors: the driver calls an actor in a process of its own (``ray`` from PyPI).
 
-    python -m bench_peers.monarch_actors --workload pair|ps --launched-at T [--quick]
+    python -m peers.ray_actors --workload pair|ps --launched-at T [--quick]
 
-The driver spawns the actors' processes on this host (``this_host().spawn_procs``):
-one for the echo actor, or one for the parameter server and 8 for the
-trainers. The driver prints the figures.
+``ray.init`` starts a local Ray instance (its own daemons besides the
+driver and the actor processes); every actor asks for no CPU, so that the
+9 of the parameter server fit on 2 cores as the other peers' processes do.
+The driver prints the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from typing import Any, Final
 
+import ray
 import torch
-from monarch.actor import Actor, endpoint, this_host
 
-from bench_peers.workloads import (
+from peers.workloads import (
     PAYLOAD,
     PS_TRAINERS,
     PS_WARMUP,
@@ -32,39 +34,36 @@ from bench_peers.workloads import (
 
 __all__ = ["Echo", "Server", "Trainer"]
 
+_OBJECT_STORE_BYTES: Final = 1 << 30
 _TIMEOUT_S: Final = 120.0
 
 
-class Echo(Actor):  # type: ignore[misc]  # monarch ships no type information for Actor
+class Echo:
     """The callee of the two-process workloads."""
 
-    @endpoint  # type: ignore[untyped-decorator]
     def noop(self, payload: bytes) -> None:
         """Do nothing."""
         return None
 
-    @endpoint  # type: ignore[untyped-decorator]
     def echo(self, x: torch.Tensor) -> torch.Tensor:
         """Return ``x``."""
         return x
 
 
-class Server(Actor):  # type: ignore[misc]
+class Server:
     """The parameter server."""
 
-    @endpoint  # type: ignore[untyped-decorator]
     def update(self, grad: torch.Tensor) -> torch.Tensor:
         """Apply ``grad``; the new parameters."""
         return ps_update(grad)
 
 
-class Trainer(Actor):  # type: ignore[misc]
+class Trainer:
     """A trainer: sends its updates to the server."""
 
-    @endpoint  # type: ignore[untyped-decorator]
     def train(self, server: Any, calls: int) -> tuple[float, float]:
         """``calls`` updates, each waited for; their span."""
-        return ps_train(lambda grad: server.update.call_one(grad).get(timeout=_TIMEOUT_S), calls)
+        return ps_train(lambda grad: ray.get(server.update.remote(grad), timeout=_TIMEOUT_S), calls)
 
 
 class _Peer:
@@ -72,16 +71,18 @@ class _Peer:
         self.actor = actor
 
     def noop(self, payload: bytes) -> None:
-        self.actor.noop.call_one(payload).get(timeout=_TIMEOUT_S)
+        ray.get(self.actor.noop.remote(payload), timeout=_TIMEOUT_S)
 
     def noop_many(self, payload: bytes, count: int) -> None:
-        futures = [self.actor.noop.call_one(payload) for _ in range(count)]
-        for future in futures:
-            future.get(timeout=_TIMEOUT_S)
+        ray.get([self.actor.noop.remote(payload) for _ in range(count)], timeout=_TIMEOUT_S)
 
     def echo(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.actor.echo.call_one(x).get(timeout=_TIMEOUT_S)
+        y: torch.Tensor = ray.get(self.actor.echo.remote(x), timeout=_TIMEOUT_S)
         return y
+
+
+def _actor(cls: type) -> Any:
+    return ray.remote(num_cpus=0)(cls).remote()
 
 
 def _main(argv: list[str]) -> int:
@@ -90,28 +91,30 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--launched-at", type=float, required=True, help="time.time() at launch")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    meshes = []
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report over the network
+    ray.init(
+        num_cpus=os.cpu_count(),
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=_OBJECT_STORE_BYTES,
+    )
     try:
         if args.workload == "pair":
-            meshes.append(this_host().spawn_procs(per_host={"procs": 1}))
-            peer = _Peer(meshes[0].spawn("echo", Echo))
+            peer = _Peer(_actor(Echo))
             peer.noop(PAYLOAD)
             emit(measure_pair(peer, args.quick, args.launched_at, time.time()))
         else:
-            meshes.append(this_host().spawn_procs(per_host={"procs": 1}))
-            server = meshes[0].spawn("server", Server)
-            meshes.append(this_host().spawn_procs(per_host={"procs": PS_TRAINERS}))
-            trainers = meshes[1].spawn("trainer", Trainer)
-            trainers.train.call(server, PS_WARMUP).get(timeout=_TIMEOUT_S)
+            server = _actor(Server)
+            trainers = [_actor(Trainer) for _ in range(PS_TRAINERS)]
+            ray.get([t.train.remote(server, PS_WARMUP) for t in trainers], timeout=_TIMEOUT_S)
             calls = ps_calls(args.quick)
-            spans = list(trainers.train.call(server, calls).get(timeout=_TIMEOUT_S).values())
+            spans = ray.get([t.train.remote(server, calls) for t in trainers], timeout=_TIMEOUT_S)
             emit({"ps_per_s": ps_rate(spans, calls)})
     finally:
-        for mesh in meshes:
-            mesh.stop().get(timeout=_TIMEOUT_S)
+        ray.shutdown()
     return 0
 
 
 if __name__ == "__main__":
     # Through the module's own name, so that the actor processes import the classes by it.
-    sys.exit(importlib.import_module("bench_peers.monarch_actors")._main(sys.argv[1:]))
+    sys.exit(importlib.import_module("peers.ray_actors")._main(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """RPC at scale: many workers on one host, ours against torch's agent where it starts.
 
-    PYTHONPATH=packages/join-core/src:packages/rpc-registry/src:packages/tensorpipe-backend/src:tools \
-        python tools/bench_scale.py [--workers N]
+    PYTHONPATH=packages/join-core/src:packages/rpc-registry/src:packages/tensorpipe-backend/src:bench \
+        python bench/bench_scale.py [--workers N]
 
 All workers start ``init_rpc`` together (after a barrier) and each then calls
 ``rpc_sync`` on every other worker, in rank order starting after its own.
