@@ -310,9 +310,6 @@ def dynamic_member_without_token(name: str, rank: int, init_method: str, results
     shutdown(graceful=True, timeout=30.0)
 
 
-@pytest.mark.slow(
-    reason="three workers that each import torch start one after another, the second only once the first has left (about 30 s)"
-)
 def test_a_dynamic_member_joins_after_the_secrets_maker_left() -> None:
     port = free_port()
     # The store outlives the workers, as a launcher's agent hosts it.
