@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Protocol, TypeVar
 
@@ -15,6 +14,8 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from ddp_join._bucket import ALIGN_ELEMENTS as ALIGN_ELEMENTS
+from ddp_join._bucket import Bucket, aligned, group_parameters
 from ddp_join._dist_autograd import distributed_backward_running
 from ddp_join._groups import global_rank, resolve_group
 from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook
@@ -41,15 +42,8 @@ ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 FIRST_BUCKET_BYTES: Final = 1024 * 1024
 #: The size of a gradient bucket when ``bucket_cap_mb`` is None, as torch's.
 DEFAULT_BUCKET_CAP_MB: Final = 25
-#: Elements each gradient's place in a bucket starts on a multiple of (64 bytes
-#: or more), so copies and reductions over them run on aligned memory.
-ALIGN_ELEMENTS: Final = 16
 # Float types that represent the heartbeat and flag counts exactly.
 _EXACT_COUNT_DTYPES: Final = (torch.float32, torch.float64)
-
-
-def _aligned(count: int) -> int:
-    return -(-count // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
 class MixedPrecisionConfig(Protocol):
@@ -72,73 +66,6 @@ class MixedPrecisionConfig(Protocol):
     @property
     def buffer_dtype(self) -> torch.dtype | None:
         """The dtype of buffers."""
-
-
-@dataclass
-class _Bucket:
-    """Parameters whose gradients are reduced together, in one flat buffer.
-
-    The buffer starts with ``meta_len`` elements reserved for per-iteration
-    metadata (bucket 0 only, when its dtype counts exactly)."""
-
-    index: int
-    params: list[torch.nn.Parameter]
-    offsets: list[int]
-    meta_len: int
-    buffer: torch.Tensor
-    pending: int = 0
-    ready: list[bool] = field(default_factory=list)
-    # In flight: a comm hook's future, or the built-in all-reduce's work on ``reduced``.
-    future: torch.futures.Future[torch.Tensor] | None = None
-    work: dist.Work | None = None
-    reduced: torch.Tensor | None = None
-    # Each .grad is a view into the buffer (gradient_as_bucket_view, same dtype).
-    as_view: bool = False
-    # Join(on_rank_lost="continue") only: the buffer as last reduced (for survivors that
-    # could not finish that reduction) and, with gradient views, as launched (to redo a
-    # reduction without a lost rank; otherwise the gradients in .grad serve).
-    completed: torch.Tensor | None = None
-    backup: torch.Tensor | None = None
-    grads: torch.Tensor = field(init=False)
-    views: list[torch.Tensor] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.grads = self.buffer[self.meta_len :]
-        self.views = [
-            self.grads[offset : offset + param.numel()].view_as(param)
-            for param, offset in zip(self.params, self.offsets)
-        ]
-
-    def keep_copies(self, keep: bool) -> None:
-        """Keep the copies above (continue mode) or drop them."""
-        if not keep:
-            self.completed = self.backup = None
-            return
-        self.completed = torch.zeros_like(self.buffer)  # zeros: its padding is reduced too, once swapped in
-        self.backup = torch.empty_like(self.buffer) if self.as_view else None
-
-    def keep_reduced(self) -> None:
-        """Keep the buffer just reduced as ``completed``: without gradient views,
-        by taking the other buffer for the next iteration's gradients (no copy)."""
-        assert self.completed is not None
-        if self.as_view:
-            self.completed.copy_(self.buffer)  # .grad views this buffer: it must stay
-            return
-        self.buffer, self.completed = self.completed, self.buffer
-        self.__post_init__()
-
-    def grad_view(self, position: int) -> torch.Tensor:
-        """The part of the buffer that holds parameter ``position``'s gradient."""
-        return self.views[position]
-
-    def result(self) -> torch.Tensor:
-        """Wait for the reduction in flight; the reduced buffer (or a hook's result)."""
-        if self.work is not None:
-            self.work.wait()
-            assert self.reduced is not None
-            return self.reduced
-        assert self.future is not None
-        return self.future.wait()
 
 
 #: Attributes of DistributedDataParallel set during every step (never a parameter, buffer or module).
@@ -358,7 +285,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self._divide_by_initial_world_size = True
         self._buffer_src = 0  # group rank whose buffers the next forward takes
         self._meta_cache: dict[tuple[float, bool, torch.dtype], torch.Tensor] = {}
-        # Join(on_rank_lost="continue"): buckets keep copies (see _Bucket), and a failed
+        # Join(on_rank_lost="continue"): buckets keep copies (see Bucket), and a failed
         # collective is redone on the survivors' group.
         self._keeps_copies = False
         self._reductions = 0  # reductions completed on this rank (training or shadowing)
@@ -405,38 +332,23 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 )
         return device
 
-    def _make_buckets(self, caps: list[int]) -> list[_Bucket]:
-        """Buckets of parameters in reverse order; bucket ``i`` closes once it
-        holds ``caps[i]`` bytes (the last cap repeats)."""
-        groups: list[list[torch.nn.Parameter]] = []
-        open_group: dict[torch.dtype, tuple[int, list[torch.nn.Parameter]]] = {}
-        sizes: dict[torch.dtype, int] = {}
-        for param in reversed(self._params):
-            opened = open_group.get(param.dtype)
-            if opened is None:
-                opened = open_group[param.dtype] = (len(groups), [])
-                groups.append(opened[1])
-                sizes[param.dtype] = 0
-            index, current = opened
-            current.append(param)
-            sizes[param.dtype] += param.numel() * param.element_size()
-            # A bucket closes once it reaches its cap, so a large gradient
-            # starts reducing as soon as it is ready.
-            if sizes[param.dtype] >= caps[min(index, len(caps) - 1)]:
-                del open_group[param.dtype]
+    def _make_buckets(self, caps: list[int]) -> list[Bucket]:
+        """Buckets of parameters in reverse order (see :func:`group_parameters`),
+        bucket 0 with room for the metadata when it rides there."""
+        groups = group_parameters(self._params, caps)
         meta_used = 1 + self._world_size + (len(self._params) if self._flags_in_meta else 0)
-        self._meta_len = _aligned(meta_used)  # zeros after the metadata keep the gradients aligned
+        self._meta_len = aligned(meta_used)  # zeros after the metadata keep the gradients aligned
         self._meta_rides = (self._reduce_dtype or groups[0][0].dtype) in _EXACT_COUNT_DTYPES
         buckets = []
         for index, params in enumerate(groups):
             offsets, total = [], 0
             for param in params:
                 offsets.append(total)
-                total += _aligned(param.numel())
+                total += aligned(param.numel())
             meta_len = self._meta_len if index == 0 and self._meta_rides else 0
             dtype = self._reduce_dtype or params[0].dtype
             buffer = torch.zeros(meta_len + total, dtype=dtype, device=self.device)
-            bucket = _Bucket(index, params, offsets, meta_len, buffer)
+            bucket = Bucket(index, params, offsets, meta_len, buffer)
             bucket.as_view = self.gradient_as_bucket_view and dtype == params[0].dtype
             if bucket.as_view:
                 for position, param in enumerate(params):
@@ -766,10 +678,10 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             return self._world_size
         return max(1, round(sum(meta[1 : 1 + self._world_size])))
 
-    def _rides(self, bucket: _Bucket) -> bool:
+    def _rides(self, bucket: Bucket) -> bool:
         return bucket.meta_len > 0 and self._carries
 
-    def _launch(self, bucket: _Bucket, training: bool) -> None:
+    def _launch(self, bucket: Bucket, training: bool) -> None:
         rides = self._rides(bucket)
         if bucket.index == 0:
             self._launched_training = training
@@ -883,7 +795,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         return meta[0] if self._rides(first) else None
 
     def _write_captured(
-        self, index: int, bucket: _Bucket, position: int, grads: torch.Tensor, scale: int, builtin: bool
+        self, index: int, bucket: Bucket, position: int, grads: torch.Tensor, scale: int, builtin: bool
     ) -> None:
         """Put parameter ``index``'s average into the gradient its distributed
         autograd context keeps (``.grad`` is left alone, as torch's)."""
@@ -968,7 +880,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         its two Python frames cost each gradient reduction microseconds."""
         return self.process_group.allreduce([tensor], self._sum_options)
 
-    def _refill(self, bucket: _Bucket) -> None:
+    def _refill(self, bucket: Bucket) -> None:
         """Write this rank's gradients into ``bucket`` again, as :meth:`_grad_ready` did:
         nothing has been written back to .grad (or the captured gradients) yet. A
         joined rank's buckets hold zeros."""
