@@ -2,8 +2,9 @@
 correct under join_core.Join when ranks have uneven inputs.
 
 This module holds the module wrapper (its arguments, forward, the buffer
-broadcast, Join's hook); the buckets, the autograd hooks and the all-reduces
-are its reducer's (``ddp_join._reducer``)."""
+broadcast); the buckets, the autograd hooks and the all-reduces are its
+reducer's (``ddp_join._reducer``), what a joined rank issues is its Join
+hook's (``ddp_join._join_hook``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ddp_join._bucket import ALIGN_ELEMENTS as ALIGN_ELEMENTS
 from ddp_join._groups import global_rank, resolve_group
+from ddp_join._join_hook import DDPJoinHook
 from ddp_join._reducer import BROADCASTING, Reducer, tensors_in
 from ddp_join.comm_hooks import CommHook, allreduce_hook
 from join_core import (
@@ -26,7 +28,6 @@ from join_core import (
     DEFAULT_LIVENESS_TIMEOUT,
     Join,
     JoinHook,
-    Recovery,
     install_exit_grace,
     record_collectives,
 )
@@ -450,7 +451,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             divide_by_initial_world_size: see :meth:`join` (default True).
         """
         self._reducer.divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
-        return _DDPJoinHook(self, self._reducer)
+        return DDPJoinHook(self, self._reducer)
 
     @property
     def process_group(self) -> dist.ProcessGroup:
@@ -615,39 +616,3 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {key: _to_device(item, device) for key, item in value.items()}
     return value
-
-
-class _DDPJoinHook(JoinHook):
-    """Shadows one DistributedDataParallel iteration on a joined rank: the
-    buffer broadcast, then every bucket (zeros) through the same reduction."""
-
-    regroup_phases = 2  # the buffer broadcast, then the gradient reduction
-
-    def __init__(self, ddp: DistributedDataParallel[Any], reducer: Reducer) -> None:
-        self.ddp = ddp
-        self.reducer = reducer
-
-    @property
-    def carries_heartbeat(self) -> bool:  # type: ignore[override]
-        return self.reducer.carries
-
-    def main_hook(self) -> None:
-        self.reducer.reset_iteration()
-        if self.ddp.will_sync_module_buffers():
-            self.ddp._sync_buffers()
-        self.reducer.reduce_zeros()
-
-    def enter_hook(self) -> None:
-        self.reducer.keep_copies(Join.continues_on_loss(self.ddp))
-
-    def exit_hook(self) -> None:
-        self.reducer.keep_copies(False)
-
-    def regroup_hook(self, recovery: Recovery, first_phase: int) -> None:
-        self.reducer.regroup(recovery, first_phase)
-
-    def abort_hook(self) -> None:
-        self.reducer.abort()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.ddp._take_last_joiners_model(is_last_joiner)
