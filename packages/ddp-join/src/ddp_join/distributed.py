@@ -68,28 +68,6 @@ class MixedPrecisionConfig(Protocol):
         """The dtype of buffers."""
 
 
-#: Attributes of DistributedDataParallel set during every step (never a parameter, buffer or module).
-_PER_STEP_STATE: Final = frozenset(
-    {
-        "_open",
-        "_callback_queued",
-        "_next_launch",
-        "_backward_started",
-        "_meta_future",
-        "_used",
-        "_unused_now",
-        "_hook_counts",
-        "_buffer_src",
-        "_used_since_sync",
-        "_distributed",
-        "_captured",
-        "_reductions",
-        "_launched_training",
-        "_handoff",
-    }
-)
-
-
 class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     """Data-parallel training of ``module`` across the ranks of a process group.
 
@@ -311,15 +289,6 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         return device
 
     # Public API.
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # The per-step bookkeeping is set many times a step: nn.Module's own
-        # __setattr__ (a parameter, buffer or module check, ~4 us each) cost
-        # about 6 % of a small model's step.
-        if name in _PER_STEP_STATE:
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; before, if this forward will synchronize gradients,
