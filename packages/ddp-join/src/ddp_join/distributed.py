@@ -1,30 +1,33 @@
 """DistributedDataParallel: gradient buckets all-reduced during backward,
-correct under join_core.Join when ranks have uneven inputs."""
+correct under join_core.Join when ranks have uneven inputs.
+
+This module holds the module wrapper (its arguments, forward, the buffer
+broadcast); the buckets, the autograd hooks and the all-reduces are its
+reducer's (``ddp_join._reducer``), what a joined rank issues is its Join
+hook's (``ddp_join._join_hook``)."""
 
 from __future__ import annotations
 
 import contextlib
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-from ddp_join._dist_autograd import distributed_backward_running
+from ddp_join._bucket import ALIGN_ELEMENTS as ALIGN_ELEMENTS
 from ddp_join._groups import global_rank, resolve_group
-from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook
+from ddp_join._join_hook import DDPJoinHook
+from ddp_join._reducer import BROADCASTING, Reducer, tensors_in
+from ddp_join.comm_hooks import CommHook, allreduce_hook
 from join_core import (
     DEFAULT_HANG_TIMEOUT,
     DEFAULT_LIVENESS_TIMEOUT,
     Join,
     JoinHook,
-    RankLostError,
-    Recovery,
     install_exit_grace,
     record_collectives,
 )
@@ -41,15 +44,6 @@ ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 FIRST_BUCKET_BYTES: Final = 1024 * 1024
 #: The size of a gradient bucket when ``bucket_cap_mb`` is None, as torch's.
 DEFAULT_BUCKET_CAP_MB: Final = 25
-#: Elements each gradient's place in a bucket starts on a multiple of (64 bytes
-#: or more), so copies and reductions over them run on aligned memory.
-ALIGN_ELEMENTS: Final = 16
-# Float types that represent the heartbeat and flag counts exactly.
-_EXACT_COUNT_DTYPES: Final = (torch.float32, torch.float64)
-
-
-def _aligned(count: int) -> int:
-    return -(-count // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
 class MixedPrecisionConfig(Protocol):
@@ -72,95 +66,6 @@ class MixedPrecisionConfig(Protocol):
     @property
     def buffer_dtype(self) -> torch.dtype | None:
         """The dtype of buffers."""
-
-
-@dataclass
-class _Bucket:
-    """Parameters whose gradients are reduced together, in one flat buffer.
-
-    The buffer starts with ``meta_len`` elements reserved for per-iteration
-    metadata (bucket 0 only, when its dtype counts exactly)."""
-
-    index: int
-    params: list[torch.nn.Parameter]
-    offsets: list[int]
-    meta_len: int
-    buffer: torch.Tensor
-    pending: int = 0
-    ready: list[bool] = field(default_factory=list)
-    # In flight: a comm hook's future, or the built-in all-reduce's work on ``reduced``.
-    future: torch.futures.Future[torch.Tensor] | None = None
-    work: dist.Work | None = None
-    reduced: torch.Tensor | None = None
-    # Each .grad is a view into the buffer (gradient_as_bucket_view, same dtype).
-    as_view: bool = False
-    # Join(on_rank_lost="continue") only: the buffer as last reduced (for survivors that
-    # could not finish that reduction) and, with gradient views, as launched (to redo a
-    # reduction without a lost rank; otherwise the gradients in .grad serve).
-    completed: torch.Tensor | None = None
-    backup: torch.Tensor | None = None
-    grads: torch.Tensor = field(init=False)
-    views: list[torch.Tensor] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.grads = self.buffer[self.meta_len :]
-        self.views = [
-            self.grads[offset : offset + param.numel()].view_as(param)
-            for param, offset in zip(self.params, self.offsets)
-        ]
-
-    def keep_copies(self, keep: bool) -> None:
-        """Keep the copies above (continue mode) or drop them."""
-        if not keep:
-            self.completed = self.backup = None
-            return
-        self.completed = torch.zeros_like(self.buffer)  # zeros: its padding is reduced too, once swapped in
-        self.backup = torch.empty_like(self.buffer) if self.as_view else None
-
-    def keep_reduced(self) -> None:
-        """Keep the buffer just reduced as ``completed``: without gradient views,
-        by taking the other buffer for the next iteration's gradients (no copy)."""
-        assert self.completed is not None
-        if self.as_view:
-            self.completed.copy_(self.buffer)  # .grad views this buffer: it must stay
-            return
-        self.buffer, self.completed = self.completed, self.buffer
-        self.__post_init__()
-
-    def grad_view(self, position: int) -> torch.Tensor:
-        """The part of the buffer that holds parameter ``position``'s gradient."""
-        return self.views[position]
-
-    def result(self) -> torch.Tensor:
-        """Wait for the reduction in flight; the reduced buffer (or a hook's result)."""
-        if self.work is not None:
-            self.work.wait()
-            assert self.reduced is not None
-            return self.reduced
-        assert self.future is not None
-        return self.future.wait()
-
-
-#: Attributes of DistributedDataParallel set during every step (never a parameter, buffer or module).
-_PER_STEP_STATE: Final = frozenset(
-    {
-        "_open",
-        "_callback_queued",
-        "_next_launch",
-        "_backward_started",
-        "_meta_future",
-        "_used",
-        "_unused_now",
-        "_hook_counts",
-        "_buffer_src",
-        "_used_since_sync",
-        "_distributed",
-        "_captured",
-        "_reductions",
-        "_launched_training",
-        "_handoff",
-    }
-)
 
 
 class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
@@ -294,13 +199,11 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 )
             process_group = device_mesh.get_group(mesh_dim=0)
         self.device_mesh = device_mesh
-        self.process_group: dist.ProcessGroup
-        self.process_group = group = resolve_group(process_group, "DistributedDataParallel")
-        self._sum_options = dist.AllreduceOptions()  # reduceOp: SUM by default
+        group = resolve_group(process_group, "DistributedDataParallel")
         record_collectives()  # numbered from here on every rank: hang reports and desyncs name them
         self.module: ModuleT = module
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        if not self._params:
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
             raise ValueError(
                 "DistributedDataParallel: the module has no parameter that requires a gradient; "
                 "there is nothing to synchronize"
@@ -333,51 +236,31 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 stacklevel=2,
             )
         self.find_unused_parameters = find_unused_parameters
-        self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.batched_grad_copy = batched_grad_copy
         self.mixed_precision = mixed_precision
-        self._reduce_dtype = _reduce_dtype(mixed_precision, self._params)
+        reduce_dtype = _reduce_dtype(mixed_precision, params)
         #: False inside ``no_sync()``: gradients accumulate locally.
         self.require_backward_grad_sync: bool = True
         #: Whether forwards broadcast buffers (with ``forward_sync_buffers``).
         self.require_forward_param_sync = True
 
-        self._rank = dist.get_rank(group)
-        self._world_size = dist.get_world_size(group)
         self._buffers_list = list(module.buffers())
-        self._param_index = {id(p): i for i, p in enumerate(self._params)}
-        self._comm_hook: CommHook | None = None  # None: the built-in averaging all-reduce
-        self._comm_state: Any = None
         self._hook_registered = False
-        self._used_since_sync = [False] * len(self._params)  # find_unused_parameters, across no_sync
-        # Used flags ride in the metadata: with find_unused_parameters or static_graph.
-        self._flags_in_meta = find_unused_parameters or static_graph
-        # static_graph: how many times each gradient is accumulated per backward; None until learned.
-        self._static_counts: list[int] | None = None
-        self._divide_by_initial_world_size = True
-        self._buffer_src = 0  # group rank whose buffers the next forward takes
-        self._meta_cache: dict[tuple[float, bool, torch.dtype], torch.Tensor] = {}
-        # Join(on_rank_lost="continue"): buckets keep copies (see _Bucket), and a failed
-        # collective is redone on the survivors' group.
-        self._keeps_copies = False
-        self._reductions = 0  # reductions completed on this rank (training or shadowing)
-        self._launched_training = True  # whether bucket 0 was last launched by a training rank
-        self._handoff = False  # this reduction's result came from a survivor that had finished it
-
         if init_sync:
             synced = list(module.parameters()) + (self._buffers_list if init_sync_buffers else [])
-            self._broadcast_coalesced(synced, global_rank(group, 0))
-        self._buckets = self._make_buckets(caps)
-        self._where = {}  # param index -> (bucket, position)
-        for bucket in self._buckets:
-            for position, param in enumerate(bucket.params):
-                self._where[self._param_index[id(param)]] = (bucket, position)
-        self._hook_handles = [
-            param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
-            for index, param in enumerate(self._params)
-        ] + [param.register_hook(self._make_capture_hook(index)) for index, param in enumerate(self._params)]
-        self._reset_iteration()
+            self._broadcast_coalesced(synced, global_rank(group, 0), group)
+        self._reducer = Reducer(
+            self,
+            params,
+            group,
+            self.device,
+            caps,
+            reduce_dtype=reduce_dtype,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+        )
 
     # Construction.
 
@@ -405,82 +288,32 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 )
         return device
 
-    def _make_buckets(self, caps: list[int]) -> list[_Bucket]:
-        """Buckets of parameters in reverse order; bucket ``i`` closes once it
-        holds ``caps[i]`` bytes (the last cap repeats)."""
-        groups: list[list[torch.nn.Parameter]] = []
-        open_group: dict[torch.dtype, tuple[int, list[torch.nn.Parameter]]] = {}
-        sizes: dict[torch.dtype, int] = {}
-        for param in reversed(self._params):
-            opened = open_group.get(param.dtype)
-            if opened is None:
-                opened = open_group[param.dtype] = (len(groups), [])
-                groups.append(opened[1])
-                sizes[param.dtype] = 0
-            index, current = opened
-            current.append(param)
-            sizes[param.dtype] += param.numel() * param.element_size()
-            # A bucket closes once it reaches its cap, so a large gradient
-            # starts reducing as soon as it is ready.
-            if sizes[param.dtype] >= caps[min(index, len(caps) - 1)]:
-                del open_group[param.dtype]
-        meta_used = 1 + self._world_size + (len(self._params) if self._flags_in_meta else 0)
-        self._meta_len = _aligned(meta_used)  # zeros after the metadata keep the gradients aligned
-        self._meta_rides = (self._reduce_dtype or groups[0][0].dtype) in _EXACT_COUNT_DTYPES
-        buckets = []
-        for index, params in enumerate(groups):
-            offsets, total = [], 0
-            for param in params:
-                offsets.append(total)
-                total += _aligned(param.numel())
-            meta_len = self._meta_len if index == 0 and self._meta_rides else 0
-            dtype = self._reduce_dtype or params[0].dtype
-            buffer = torch.zeros(meta_len + total, dtype=dtype, device=self.device)
-            bucket = _Bucket(index, params, offsets, meta_len, buffer)
-            bucket.as_view = self.gradient_as_bucket_view and dtype == params[0].dtype
-            if bucket.as_view:
-                for position, param in enumerate(params):
-                    param.grad = bucket.grad_view(position)
-            buckets.append(bucket)
-        return buckets
-
     # Public API.
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # The per-step bookkeeping is set many times a step: nn.Module's own
-        # __setattr__ (a parameter, buffer or module check, ~4 us each) cost
-        # about 6 % of a small model's step.
-        if name in _PER_STEP_STATE:
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; before, if this forward will synchronize gradients,
         tell the Join context and broadcast buffers."""
         syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
+        reducer = self._reducer
         if syncing:
-            self._check_prior_reduction()
+            reducer.check_prior_reduction()
             Join.notify_join_context(self)
-            self._reset_iteration()
-            self._open = True
+            reducer.reset_iteration(opening=True)
             if self.will_sync_module_buffers():
                 self._sync_buffers()
         output = self.module(*inputs, **kwargs)
-        if self.static_graph:
-            if syncing and self._static_counts is not None:
-                # Learned in the first synchronizing backward: no graph traversal.
-                self._used = [count > 0 for count in self._static_counts]
-                self._unused_now.extend(i for i, count in enumerate(self._static_counts) if count == 0)
+        if reducer.static_graph:
+            if syncing:
+                reducer.use_static_counts()  # learned in the first synchronizing backward
         elif self.find_unused_parameters and torch.is_grad_enabled():
-            self._find_unused(output, syncing)
+            reducer.find_unused(output, syncing)
         if syncing:
             # Backward may reach no parameter of this rank at all, or reach the
             # first ones inside a nested (reentrant) backward: its end is
             # scheduled from the outputs, on the outermost backward.
-            for tensor in _tensors(output):
+            for tensor in tensors_in(output):
                 if tensor.requires_grad:
-                    tensor.register_hook(self._start_backward)
+                    tensor.register_hook(reducer.start_backward)
         return output
 
     def will_sync_module_buffers(self) -> bool:
@@ -539,8 +372,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self._hook_registered = True
         if hook is allreduce_hook and state in (None, self.process_group):
             return  # the built-in reduction, which also carries the metadata
-        self._comm_hook = hook
-        self._comm_state = state
+        self._reducer.comm_hook = hook
+        self._reducer.comm_state = state
 
     def join(
         self,
@@ -586,8 +419,29 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         Args:
             divide_by_initial_world_size: see :meth:`join` (default True).
         """
-        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
-        return _DDPJoinHook(self)
+        self._reducer.divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        return DDPJoinHook(self, self._reducer)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The process group gradients are reduced over (after Join went on
+        without a lost rank: the survivors' group)."""
+        return self._reducer.process_group
+
+    @process_group.setter
+    def process_group(self, value: dist.ProcessGroup) -> None:
+        self._reducer.process_group = value
+
+    @property
+    def static_graph(self) -> bool:
+        """Whether the set of parameters used, and how often each one's
+        gradient is accumulated, is the same every iteration (see the
+        constructor)."""
+        return self._reducer.static_graph
+
+    @static_graph.setter
+    def static_graph(self, value: bool) -> None:
+        self._reducer.static_graph = value
 
     @property
     def join_device(self) -> torch.device:
@@ -618,456 +472,44 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         """Load a state dict of the inner module."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    # One iteration.
-
-    @property
-    def _carries(self) -> bool:
-        """Whether the metadata (and Join's heartbeat) ride in bucket 0."""
-        return self._meta_rides and self._comm_hook is None
-
-    def _reset_iteration(self) -> None:
-        self._open = False
-        self._callback_queued = False
-        self._next_launch = 0
-        self._meta_future: torch.futures.Future[torch.Tensor] | None = None
-        self._used = [True] * len(self._params)
-        self._unused_now: list[int] = []  # find_unused_parameters: not reached by this forward
-        self._hook_counts = [0] * len(self._params)  # static_graph: accumulations this backward
-        self._backward_started = False
-        # A distributed autograd backward: the gradients it computes for its
-        # context, by parameter index (filled with the averages at the end).
-        self._distributed = False
-        self._captured: dict[int, torch.Tensor] = {}
-        for bucket in self._buckets:
-            bucket.pending = len(bucket.params)
-            bucket.ready = [False] * len(bucket.params)
-            bucket.future = None
-            bucket.work = None
-
-    def _make_grad_hook(self, index: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            if not self._open:
-                return
-            self._start_backward()
-            if self.static_graph:
-                self._hook_counts[index] += 1
-                # Learning: every bucket is reduced at the end of backward. Later:
-                # a gradient accumulated several times is ready at its last time.
-                if self._static_counts is None or self._hook_counts[index] < self._static_counts[index]:
-                    return
-            self._grad_ready(index, param.grad)
-
-        return hook
-
-    def _make_capture_hook(self, index: int) -> Any:
-        param = self._params[index]
-
-        def hook(grad: torch.Tensor) -> torch.Tensor | None:
-            if not self._open or not distributed_backward_running():
-                return None  # a local backward: the post-accumulate hook takes it
-            self._start_backward()
-            if not self._callback_queued:  # a later pass of the same distributed backward
-                self._callback_queued = True
-                Variable._execution_engine.queue_callback(self._finish_backward)
-            if index in self._captured:
-                raise RuntimeError(
-                    f"DistributedDataParallel: parameter {index} (shape {tuple(param.shape)}) got a "
-                    "second gradient in one distributed backward; a parameter's gradient may reach "
-                    "DDP in one pass only (it is already being reduced)"
-                )
-            # The context keeps this tensor; the average is written into it at the end.
-            dense = torch.empty_like(param, memory_format=torch.preserve_format)
-            if grad.layout == torch.strided:
-                dense.copy_(grad)
-                mine = dense
-            else:
-                # Reduced dense, kept in the layout autograd expects: every row present.
-                dense.copy_(grad.to_dense())
-                rows = torch.arange(param.shape[0], device=param.device).unsqueeze(0)
-                mine = torch.sparse_coo_tensor(rows, dense, param.shape, is_coalesced=True)
-                dense = mine._values()
-            self._captured[index] = dense
-            self._grad_ready(index, dense)
-            return mine
-
-        return hook
-
-    def _check_prior_reduction(self) -> None:
-        """Raise torch's error when a distributed backward left parameters unreduced."""
-        if not (self._open and self._distributed and self._backward_started):
-            return
-        missing = [index for index in range(len(self._params)) if index not in self._captured]
-        self._reset_iteration()
-        raise RuntimeError(
-            "Expected to have finished reduction in the prior iteration before starting a new one: "
-            f"the last distributed autograd backward gave no gradient to parameters {missing}. "
-            "Pass find_unused_parameters=True when a forward does not use every parameter"
-        )
-
-    def _start_backward(self, _: object = None) -> None:
-        """First gradient of a syncing backward: schedule the end, and count
-        parameters this forward did not reach as ready."""
-        if self._backward_started or not self._open:
-            return
-        self._backward_started = True
-        self._distributed = distributed_backward_running()
-        if not self._callback_queued:
-            self._callback_queued = True
-            Variable._execution_engine.queue_callback(self._finish_backward)
-        for index in self._unused_now:
-            self._grad_ready(index, None)
-
-    def _grad_ready(self, index: int, grad: torch.Tensor | None) -> None:
-        bucket, position = self._where[index]
-        if bucket.ready[position]:
-            return
-        view = bucket.grad_view(position)
-        param = bucket.params[position]
-        if grad is None:
-            grad = param.grad  # no gradient this backward: what no_sync accumulated, if anything
-        if grad is not None and grad.layout != torch.strided:
-            grad = grad.to_dense()  # a sparse gradient (e.g. Embedding(sparse=True)) is reduced dense
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-            if bucket.as_view and not self._distributed:
-                param.grad = view
-        bucket.ready[position] = True
-        bucket.pending -= 1
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
-            self._launch(self._buckets[self._next_launch], training=True)
-            self._next_launch += 1
-
-    def _signal_meta(self, training: bool, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's contribution to the metadata, on the module's device:
-        [heartbeat, active flag per rank, used flag per parameter
-        (find_unused_parameters or static_graph only)]."""
-        signal = Join.heartbeat_signal(self)
-        key = (signal, training, dtype)
-        cached = None if self._flags_in_meta else self._meta_cache.get(key)
-        if cached is not None:
-            return cached
-        values = [0.0] * self._meta_len
-        values[0] = signal
-        if training:
-            values[1 + self._rank] = 1.0
-            if self._flags_in_meta:
-                values[1 + self._world_size : 1 + self._world_size + len(self._used)] = [
-                    float(used) for used in self._used
-                ]
-        meta = torch.tensor(values, dtype=dtype, device=self.device)
-        if not self._flags_in_meta:
-            self._meta_cache[key] = meta
-        return meta
-
-    def _divisor(self, meta: list[float]) -> int:
-        if self._divide_by_initial_world_size or not meta:
-            return self._world_size
-        return max(1, round(sum(meta[1 : 1 + self._world_size])))
-
-    def _rides(self, bucket: _Bucket) -> bool:
-        return bucket.meta_len > 0 and self._carries
-
-    def _launch(self, bucket: _Bucket, training: bool) -> None:
-        rides = self._rides(bucket)
-        if bucket.index == 0:
-            self._launched_training = training
-            if rides:
-                bucket.buffer[: bucket.meta_len].copy_(self._signal_meta(training, bucket.buffer.dtype))
-            elif self._flags_in_meta or Join.is_active(self):
-                # The metadata cannot ride with these gradients: its own all-reduce, first.
-                separate = self._signal_meta(training, torch.float32).clone()
-                work = dist.all_reduce(separate, group=self.process_group, async_op=True)
-                self._meta_future = work.get_future().then(lambda f: f.value()[0])
-        if rides or self._comm_hook is None:
-            # The built-in reduction, in place: waited for through its work, no callback.
-            bucket.reduced = bucket.buffer if rides else bucket.grads
-            if bucket.backup is not None:
-                bucket.backup.copy_(bucket.buffer)  # gradient views: .grad is this buffer
-            bucket.work = self._all_reduce(bucket.reduced)
-            return
-        if self._meta_future is not None and not self._divide_by_initial_world_size:
-            divisor = self._divisor(self._meta_future.wait().tolist())
-        else:
-            divisor = self._world_size
-        is_last = bucket.index == len(self._buckets) - 1
-        grad_bucket = GradBucket(
-            bucket.index, bucket.grads, bucket.params, is_last, divisor, self.process_group, bucket.offsets
-        )
-        bucket.future = self._comm_hook(self._comm_state, grad_bucket)
-
-    def _finish_backward(self) -> None:
-        """End of backward: reduce what is left, wait, and write the averaged
-        gradients to ``.grad`` (or the distributed autograd context's); then
-        hand Join the heartbeat."""
-        if self._distributed and any(bucket.pending for bucket in self._buckets):
-            # Gradients still to come in later passes of this distributed backward.
-            self._callback_queued = False
-            return
-        if self.static_graph and self._static_counts is None:
-            self._static_counts = list(self._hook_counts)
-            self._used = [count > 0 for count in self._hook_counts]
-        for index in range(len(self._params)):
-            bucket, position = self._where[index]
-            if not bucket.ready[position]:
-                self._grad_ready(index, None)
-        total = self._complete(shadow=False)
-        self._reset_iteration()
-        self._used_since_sync = [False] * len(self._params)
-        if total is not None:
-            Join.heartbeat_result(self, total)
-
-    def _complete(self, shadow: bool) -> float | None:
-        """Wait for each bucket in turn and write its gradients while later ones
-        are still reduced; remember which rank's buffers to take next; return the
-        carried heartbeat, if any."""
-        if self._keeps_copies:
-            self._await_reductions()
-        first = self._buckets[0]
-        first_result = first.result()
-        meta: list[float] = []
-        if self._rides(first):
-            meta = first_result[: first.meta_len].tolist()
-        elif self._meta_future is not None:
-            meta = self._meta_future.wait().tolist()
-        divisor = self._divisor(meta)
-        used = (
-            [count > 0 for count in meta[1 + self._world_size : 1 + self._world_size + len(self._params)]]
-            if self._flags_in_meta and meta
-            else None
-        )
-        for bucket in self._buckets:
-            result = first_result if bucket is first else bucket.result()
-            builtin = bucket.work is not None  # reduced in place, into this bucket's buffer
-            scale = divisor if builtin else 1  # hooks divide themselves
-            grads = bucket.grads if builtin else result
-            if bucket.as_view:
-                if grads.data_ptr() != bucket.grads.data_ptr():
-                    bucket.grads.copy_(grads)
-                if scale != 1:
-                    bucket.grads.div_(scale)
-            for position, param in enumerate(bucket.params):
-                index = self._param_index[id(param)]
-                if used is not None and not used[index]:
-                    # No rank used it: .grad stays as it was, except on a joined
-                    # rank, where an old value must not reach the optimizer.
-                    if shadow:
-                        param.grad = None
-                    continue
-                if self._distributed:
-                    self._write_captured(index, bucket, position, grads, scale, builtin)
-                    continue
-                if bucket.as_view:
-                    param.grad = bucket.views[position]
-                    continue
-                if builtin:
-                    reduced = bucket.views[position]
-                else:
-                    offset = bucket.offsets[position]
-                    reduced = grads[offset : offset + param.numel()].view_as(param)
-                if param.grad is None or param.grad.layout != torch.strided:
-                    param.grad = (reduced / scale).to(param.dtype)  # cast back from a reduce_dtype
-                else:
-                    torch.div(reduced, scale, out=param.grad)
-        if meta and not self._handoff:  # a handed-over result's flags are by the former group's ranks
-            for rank, flag in enumerate(meta[1 : 1 + self._world_size]):
-                if flag > 0:
-                    self._buffer_src = rank
-                    break
-        self._handoff = False
-        self._reductions += 1
-        if self._keeps_copies:
-            for bucket in self._buckets:
-                bucket.keep_reduced()
-        return meta[0] if self._rides(first) else None
-
-    def _write_captured(
-        self, index: int, bucket: _Bucket, position: int, grads: torch.Tensor, scale: int, builtin: bool
-    ) -> None:
-        """Put parameter ``index``'s average into the gradient its distributed
-        autograd context keeps (``.grad`` is left alone, as torch's)."""
-        target = self._captured.get(index)
-        if target is None:
-            return  # reached by no pass here (find_unused_parameters): the context has none
-        if bucket.as_view or builtin:
-            reduced = bucket.views[position]
-        else:
-            offset = bucket.offsets[position]
-            reduced = grads[offset : offset + target.numel()].view_as(target)
-        if bucket.as_view:
-            target.copy_(reduced)  # already divided in the bucket
-        else:
-            torch.div(reduced, scale, out=target)
-
-    def _find_unused(self, output: Any, syncing: bool) -> None:
-        """Note which parameters the autograd graph of ``output`` reaches.
-
-        Usage accumulates over ``no_sync`` forwards until the next reduction.
-        For a syncing forward, the parameters it did not reach are reduced
-        with what they hold once its backward starts."""
-        reached: set[int] = set()
-        seen: set[Any] = set()
-        outputs = [t for t in _tensors(output) if t.requires_grad]
-        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        while stack:
-            node = stack.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)
-            if variable is not None:
-                reached.add(id(variable))
-            stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
-        for index, param in enumerate(self._params):
-            if id(param) in reached:
-                self._used_since_sync[index] = True
-            elif syncing:
-                self._unused_now.append(index)
-        if syncing:
-            self._used = list(self._used_since_sync)
-
-    # Going on without a lost rank (Join(on_rank_lost="continue")).
-
-    def _await_reductions(self) -> None:
-        """Wait for every bucket's reduction; when one fails because a rank was
-        lost, complete it on the survivors' group."""
-        while True:
-            try:
-                for bucket in self._buckets:
-                    bucket.result()
-                break
-            except Exception as failure:  # noqa: BLE001 - Join.recover re-raises what it cannot recover
-                self._recover(failure, _REDUCING)
-
-    def _recover(self, failure: BaseException, phase: int) -> None:
-        """Go on without the lost ranks (or raise): once the survivors agreed
-        and moved onto their group (see :meth:`_regroup`), a result handed over
-        stands; otherwise this stage is done again on the new group: a
-        reduction from the buffers as launched, a broadcast by its caller."""
-        Join.recover(self, self._reductions, phase, failure)
-        if phase == _REDUCING and not self._handoff:
-            self._relaunch()
-
-    def _relaunch(self) -> None:
-        """Reduce every bucket again, as launched, on the survivors' group."""
-        for bucket in self._buckets:
-            if bucket.backup is not None:
-                bucket.buffer.copy_(bucket.backup)
-            else:
-                self._refill(bucket)
-            if self._rides(bucket):
-                meta = self._signal_meta(self._launched_training, bucket.buffer.dtype)
-                bucket.buffer[: bucket.meta_len].copy_(meta)
-            bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
-            bucket.work = self._all_reduce(bucket.reduced)
-
-    def _all_reduce(self, tensor: torch.Tensor) -> dist.Work:
-        """``dist.all_reduce(tensor, group=self.process_group, async_op=True)``,
-        issued on the group itself: a bucket needs none of its checks, and
-        its two Python frames cost each gradient reduction microseconds."""
-        return self.process_group.allreduce([tensor], self._sum_options)
-
-    def _refill(self, bucket: _Bucket) -> None:
-        """Write this rank's gradients into ``bucket`` again, as :meth:`_grad_ready` did:
-        nothing has been written back to .grad (or the captured gradients) yet. A
-        joined rank's buckets hold zeros."""
-        if not self._launched_training:
-            bucket.grads.zero_()
-            return
-        for position, param in enumerate(bucket.params):
-            index = self._param_index[id(param)]
-            grad = self._captured.get(index) if self._distributed else param.grad
-            view = bucket.grad_view(position)
-            if grad is None:
-                view.zero_()
-            else:
-                view.copy_(grad if grad.layout == torch.strided else grad.to_dense())
-
-    def _regroup(self, recovery: Recovery, first_phase: int) -> None:
-        """Issue every later collective on the survivors' group (gradients are
-        still divided by the initial world size, or by the ranks training).
-
-        Survivors that finished a reduction the others failed in hand them
-        its result: each then holds the same gradients for that iteration, the
-        lost ranks' part included. A buffer broadcast some finished and
-        others did not cannot be made whole (the buffers moved on since):
-        raise."""
-        self.process_group = recovery.group
-        self._rank = recovery.rank
-        self._buffer_src = 0
-        self._meta_cache.clear()
-        positions = recovery.positions
-        broadcasts = [recovery.completed(position, first_phase + _BROADCASTING) for position in positions]
-        reductions = [recovery.completed(position, first_phase + _REDUCING) for position in positions]
-        low, high = min(reductions), max(reductions)
-        broadcast_split = any(
-            position % recovery.period == first_phase + _BROADCASTING and done < max(broadcasts)
-            for position, done in zip(positions, broadcasts)
-        )
-        behind_elsewhere = any(
-            done == low and position != recovery.position(low, first_phase + _REDUCING)
-            for position, done in zip(positions, reductions)
-        )
-        if broadcast_split or high - low > 1 or (high > low and behind_elsewhere):
-            where = ", ".join(
-                f"rank {rank} in stage {position % recovery.period} of iteration {position // recovery.period}"
-                for rank, position in zip(recovery.members, positions)
-            )
-            raise RankLostError(
-                dict(recovery.lost),
-                detail=f"DistributedDataParallel: the survivors cannot complete the interrupted step exactly "
-                f"({where}); restart from a checkpoint",
-            )
-        if high == low:
-            return
-        src = global_rank(recovery.group, reductions.index(high))
-        behind = reductions[recovery.rank] == low
-        handoff = []
-        for bucket in self._buckets:
-            target = bucket.buffer if behind else bucket.completed
-            assert target is not None
-            handoff.append(dist.broadcast(target, src=src, group=recovery.group, async_op=True))
-        if not behind:
-            for work in handoff:
-                work.wait()
-            return
-        # This reduction's result is what the survivors ahead got: take it as is.
-        for bucket, work in zip(self._buckets, handoff):
-            bucket.work = work
-            bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
-        self._handoff = True
-
     # Collectives outside backward.
 
     def _sync_buffers(self) -> None:
+        reducer = self._reducer
         while self._buffers_list:
             try:
-                src = global_rank(self.process_group, self._buffer_src)
-                self._broadcast_coalesced(self._buffers_list, src)
+                group = reducer.process_group
+                self._broadcast_coalesced(self._buffers_list, global_rank(group, reducer.buffer_src), group)
                 return
             except Exception as failure:
-                if not self._keeps_copies:
+                if not reducer.keeps_copies:
                     raise
-                self._recover(failure, _BROADCASTING)  # then again, from the survivors' rank 0
+                reducer.recover(failure, BROADCASTING)  # then again, from the survivors' rank 0
 
-    def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int) -> None:
-        """Broadcast tensors from global rank ``src``, one collective per dtype."""
+    def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
+        """Broadcast tensors from global rank ``src`` over ``group``, one collective per dtype."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                dist.broadcast(flat, src=src, group=self.process_group)
+            for same_dtype in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in same_dtype])
+                dist.broadcast(flat, src=src, group=group)
                 offset = 0
-                for tensor in group:
+                for tensor in same_dtype:
                     tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
 
-
-_BROADCASTING: Final = 0  # position phases: the buffer broadcast before a reduction,
-_REDUCING: Final = 1  # and the reduction
+    def _take_last_joiners_model(self, is_last_joiner: bool) -> None:
+        """After a Join: every rank takes the model of the highest-ranked last joiner."""
+        reducer = self._reducer
+        group = reducer.process_group
+        candidate = torch.tensor([reducer.rank if is_last_joiner else -1], device=self.device)
+        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=group)
+        src = global_rank(group, int(candidate.item()))
+        buffers = self._buffers_list if self.forward_sync_buffers else []
+        self._broadcast_coalesced(list(self.module.parameters()) + buffers, src, group)
+        reducer.buffer_src = 0  # after the Join, buffers come from rank 0 again
 
 
 def _reject_unsupported(
@@ -1143,95 +585,3 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict):
         return {key: _to_device(item, device) for key, item in value.items()}
     return value
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
-class _DDPJoinHook(JoinHook):
-    """Shadows one DistributedDataParallel iteration on a joined rank: the
-    buffer broadcast, then every bucket (zeros) through the same reduction."""
-
-    regroup_phases = 2  # the buffer broadcast, then the gradient reduction
-
-    def __init__(self, ddp: DistributedDataParallel[Any]) -> None:
-        self.ddp = ddp
-
-    @property
-    def carries_heartbeat(self) -> bool:  # type: ignore[override]
-        return self.ddp._carries
-
-    def main_hook(self) -> None:
-        ddp = self.ddp
-        ddp._reset_iteration()
-        if ddp.will_sync_module_buffers():
-            ddp._sync_buffers()
-        self._reduce_zeros()
-
-    def _reduce_zeros(self) -> None:
-        ddp = self.ddp
-        for bucket in ddp._buckets:
-            bucket.grads.zero_()
-        # Every bucket at once, as a training rank issues them. When all ranks
-        # have joined, all of them are here issuing the same, so nothing is
-        # left unmatched even though nobody needed the result.
-        for bucket in ddp._buckets:
-            ddp._launch(bucket, training=False)
-        if ddp._keeps_copies:
-            ddp._await_reductions()
-        if self.carries_heartbeat and not Join.heartbeat_result(ddp, float(ddp._buckets[0].result()[0])):
-            for bucket in ddp._buckets[1:]:
-                bucket.result()
-            ddp._reset_iteration()
-            ddp._reductions += 1
-            return  # every rank has joined
-        ddp._complete(shadow=True)
-        ddp._reset_iteration()
-
-    def enter_hook(self) -> None:
-        ddp = self.ddp
-        ddp._keeps_copies = Join.continues_on_loss(ddp)
-        for bucket in ddp._buckets:
-            bucket.keep_copies(ddp._keeps_copies)
-
-    def exit_hook(self) -> None:
-        ddp = self.ddp
-        ddp._keeps_copies = False
-        for bucket in ddp._buckets:
-            bucket.keep_copies(False)
-
-    def regroup_hook(self, recovery: Recovery, first_phase: int) -> None:
-        self.ddp._regroup(recovery, first_phase)
-
-    def abort_hook(self) -> None:
-        ddp = self.ddp
-        if not ddp._open:
-            return
-        # The rank failed between this iteration's forward and the end of its
-        # backward: reduce the buckets it still owes (zeros for missing gradients).
-        for index in range(len(ddp._params)):
-            bucket, position = ddp._where[index]
-            if not bucket.ready[position]:
-                ddp._grad_ready(index, None)
-        total = ddp._complete(shadow=True)
-        ddp._reset_iteration()
-        if total is not None:
-            Join.heartbeat_result(ddp, total)
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        # Every rank takes the model of the highest-ranked last joiner.
-        ddp = self.ddp
-        candidate = torch.tensor([ddp._rank if is_last_joiner else -1], device=ddp.device)
-        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp.process_group)
-        src = global_rank(ddp.process_group, int(candidate.item()))
-        buffers = ddp._buffers_list if ddp.forward_sync_buffers else []
-        ddp._broadcast_coalesced(list(ddp.module.parameters()) + buffers, src)
-        ddp._buffer_src = 0  # after the Join, buffers come from rank 0 again
