@@ -26,6 +26,7 @@ lost. The workers use the agent's store (``TORCHELASTIC_USE_AGENT_STORE``),
 so losing any worker, rank 0's included, loses no store.
 
 Use it through ``python -m join_core.launch`` (:mod:`join_core.launch`).
+The verdicts are :mod:`join_core.job_outcome`'s.
 """
 
 from __future__ import annotations
@@ -33,12 +34,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import time
 from contextlib import suppress
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -46,6 +45,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs, ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
 from join_core._torch_elastic import worker_error_file, worker_processes
+from join_core.job_outcome import UNKNOWN_EXIT, JobOutcome, Verdict, WorkerEnd, judge_error
 
 if TYPE_CHECKING:
     # The class of the rendezvous store; torch.distributed does not re-export it to type checkers.
@@ -72,107 +72,6 @@ _ENDS: Final = f"{_PREFIX}ends"  # numbers each worker's end, in the order seen
 _SUCCEEDED: Final = f"{_PREFIX}succeeded"  # workers that ended with exit code 0
 _RECORDED: Final = f"{_PREFIX}recorded"  # ends whose record is in the store
 _READ: Final = f"{_PREFIX}read"  # agents that read the outcome
-
-Verdict = Literal["succeeded", "lost", "failed"]
-_VERDICTS: Final[dict[str, Verdict]] = {"succeeded": "succeeded", "lost": "lost", "failed": "failed"}
-
-
-@dataclass(frozen=True)
-class WorkerEnd:
-    """How one worker (one rank) of the job ended."""
-
-    rank: int
-    local_rank: int
-    host: str
-    pid: int
-    exitcode: int  # negative: killed by that signal; UNKNOWN_EXIT: its agent was lost with it
-    verdict: Verdict
-    detail: str  # what was seen, e.g. "killed by SIGKILL while 2 other workers still ran"
-
-    def describe(self) -> str:
-        """One line: the rank, where it ran, its verdict and what was seen."""
-        where = (f"local rank {self.local_rank} " if self.local_rank >= 0 else "") + f"on {self.host}"
-        where += f", pid {self.pid}" if self.pid > 0 else ""
-        return f"rank {self.rank} ({where}): {self.verdict}" + (f": {self.detail}" if self.detail else "")
-
-    def to_json(self) -> str:
-        """This end as the agents keep it in the rendezvous store."""
-        return json.dumps(
-            {
-                "rank": self.rank,
-                "local_rank": self.local_rank,
-                "host": self.host,
-                "pid": self.pid,
-                "exitcode": self.exitcode,
-                "verdict": self.verdict,
-                "detail": self.detail,
-            }
-        )
-
-    @staticmethod
-    def from_json(raw: bytes | str) -> WorkerEnd:
-        """An end read from the store (:meth:`to_json`); raises ValueError, KeyError or
-        TypeError on anything else."""
-        data = json.loads(raw)
-        return WorkerEnd(
-            int(data["rank"]),
-            int(data["local_rank"]),
-            str(data["host"])[:200],
-            int(data["pid"]),
-            int(data["exitcode"]),
-            _VERDICTS[str(data["verdict"])],
-            str(data["detail"])[:2000],
-        )
-
-
-#: WorkerEnd.exitcode of a worker whose agent was lost with it.
-UNKNOWN_EXIT: Final = -1000
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    """Every worker's end, by rank; the same on every agent of the job."""
-
-    ends: tuple[WorkerEnd, ...]
-
-    @property
-    def succeeded(self) -> bool:
-        """At least one worker succeeded and none failed (lost ones may have)."""
-        verdicts = [end.verdict for end in self.ends]
-        return "succeeded" in verdicts and "failed" not in verdicts
-
-    @property
-    def lost(self) -> tuple[WorkerEnd, ...]:
-        """The lost workers, by rank."""
-        return tuple(end for end in self.ends if end.verdict == "lost")
-
-    def summary(self) -> str:
-        """A headline, then one line per rank."""
-        count = {v: sum(end.verdict == v for end in self.ends) for v in ("succeeded", "lost", "failed")}
-        total = len(self.ends)
-        if self.succeeded:
-            head = f"job succeeded: {count['succeeded']} of {total} workers finished"
-            if count["lost"]:
-                head += f"; {count['lost']} lost, and the survivors went on without them"
-        elif count["succeeded"] == 0 and count["failed"]:
-            head = f"job failed: no worker of {total} finished"
-        else:
-            head = (
-                f"job failed: {count['failed']} of {total} workers failed after the job could no longer "
-                "go on without them (another worker had finished, or none was left running)"
-            )
-        return "\n".join([head, *(f"  {end.describe()}" for end in self.ends)])
-
-
-def describe_exit(exitcode: int) -> str:
-    """``exited with code 1`` or ``killed by SIGKILL``."""
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"killed by {name}"
-    return f"exited with code {exitcode}"
 
 
 class SurvivorRendezvous(RendezvousHandler):
@@ -392,13 +291,7 @@ class _Ledger:
         else:
             running = self._world_size - int(self._store.add(_ENDS, 1))
             finished = int(self._store.add(_SUCCEEDED, 0))
-            seen = describe_exit(exitcode) + (f" ({message})" if message else "")
-            if finished:
-                verdict, detail = "failed", f"{seen} after {finished} worker(s) had finished"
-            elif running <= 0:
-                verdict, detail = "failed", f"{seen}, the last worker running"
-            else:
-                verdict, detail = "lost", f"{seen} while {running} other worker(s) still ran"
+            verdict, detail = judge_error(exitcode, message, running, finished)
         end = WorkerEnd(rank, local_rank, self._host, pid, exitcode, verdict, detail)
         self._publish(end)
         return end
