@@ -5,8 +5,8 @@ error while other workers of the job still ran and none had finished) or
 **failed** (an error after a worker finished, or as the last one running);
 the job succeeded when at least one worker did and none failed
 (:class:`JobOutcome`). :func:`judge_error` and :attr:`JobOutcome.succeeded`
-are those rules; the agents count, across hosts, what they are
-applied to (:mod:`join_core.survivor_agent`).
+are those rules; the agents' ledger (:mod:`join_core.agent_ledger`) counts,
+across hosts, what they are applied to.
 """
 
 from __future__ import annotations
