@@ -26,8 +26,9 @@ lost. The workers use the agent's store (``TORCHELASTIC_USE_AGENT_STORE``),
 so losing any worker, rank 0's included, loses no store.
 
 Use it through ``python -m join_core.launch`` (:mod:`join_core.launch`).
-The verdicts are :mod:`join_core.job_outcome`'s, and the agents' record in
-the store :mod:`join_core.agent_ledger`'s.
+The verdicts are :mod:`join_core.job_outcome`'s, the agents' record in the
+store :mod:`join_core.agent_ledger`'s, and the rendezvous handler that
+admits no node :mod:`join_core.survivor_rendezvous`'s.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ from typing import Any, Final
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs, ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
 from join_core._torch_elastic import worker_error_file, worker_processes
 from join_core.agent_ledger import BEAT_INTERVAL, EXIT_BARRIER_TIMEOUT, Ledger
 from join_core.job_outcome import JobOutcome, WorkerEnd
+from join_core.survivor_rendezvous import SurvivorRendezvous
 
 __all__ = ["DEFAULT_AGENT_TIMEOUT", "JobOutcome", "SurvivorAgent", "SurvivorRendezvous", "WorkerEnd"]
 
@@ -53,57 +54,6 @@ logger: logging.Logger = logging.getLogger(__name__)
 #: Seconds an agent may go without beating in the rendezvous store before the
 #: others count its unfinished workers as lost.
 DEFAULT_AGENT_TIMEOUT: Final = 30.0
-
-
-class SurvivorRendezvous(RendezvousHandler):
-    """A rendezvous handler that never reports nodes waiting to join, so that
-    the agent does not stop its running workers to admit them (torch's agent
-    restarts every worker when a node waits); everything else is ``inner``'s."""
-
-    def __init__(self, inner: RendezvousHandler) -> None:
-        self._inner = inner
-        self._told = False
-
-    def get_backend(self) -> str:
-        """``inner``'s."""
-        return str(self._inner.get_backend())
-
-    @property
-    def use_agent_store(self) -> bool:
-        """``inner``'s."""
-        return bool(self._inner.use_agent_store)
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        """``inner``'s."""
-        return self._inner.next_rendezvous()
-
-    def is_closed(self) -> bool:
-        """``inner``'s."""
-        return bool(self._inner.is_closed())
-
-    def set_closed(self) -> None:
-        """``inner``'s."""
-        self._inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        """0, whatever ``inner`` says (logged once when it says more)."""
-        waiting = int(self._inner.num_nodes_waiting())
-        if waiting and not self._told:
-            self._told = True
-            logger.warning(
-                "join_core.launch: %d node(s) wait to join the rendezvous; they are not admitted: the "
-                "running workers go on, and the group is never re-formed",
-                waiting,
-            )
-        return 0
-
-    def get_run_id(self) -> str:
-        """``inner``'s."""
-        return str(self._inner.get_run_id())
-
-    def shutdown(self) -> bool:
-        """``inner``'s."""
-        return bool(self._inner.shutdown())
 
 
 class SurvivorAgent(LocalElasticAgent):
