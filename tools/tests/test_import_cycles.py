@@ -7,8 +7,6 @@ from pathlib import Path
 import import_cycles
 import pytest
 
-KNOWN_CYCLES = {"join_core": "intercept and recorder import each other"}
-
 
 def _package(tmp_path: Path, modules: dict[str, str]) -> Path:
     source = tmp_path / "pkg"
@@ -41,15 +39,7 @@ def test_imports_in_one_direction_are_no_cycle(tmp_path: Path) -> None:
     assert import_cycles.cycles(import_cycles.import_graph(source)) == []
 
 
-@pytest.mark.parametrize(
-    "package",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_CYCLES[name]))
-        if name in KNOWN_CYCLES
-        else name
-        for name in import_cycles.package_sources()
-    ],
-)
+@pytest.mark.parametrize("package", list(import_cycles.package_sources()))
 def test_the_modules_of_a_package_import_one_another_without_a_cycle(package: str) -> None:
     source = import_cycles.package_sources()[package]
     assert import_cycles.cycles(import_cycles.import_graph(source)) == []

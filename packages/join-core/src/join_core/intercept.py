@@ -14,56 +14,25 @@ handed to the handler again.
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from types import FrameType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch.distributed as dist
 
+from join_core.handoff import Call, Handler, handlers, issuers
+from join_core.recorder import record_collectives  # its wrappers hand calls here
+
 __all__ = ["Call", "Handler", "intercept", "issue", "watched"]
 
-
-class Call(NamedTuple):
-    """One intercepted collective: its name as ``torch.distributed`` calls it
-    (``all_reduce``), the ``ProcessGroup`` method and arguments it was issued
-    with, the frame that called that method, and how to issue it."""
-
-    name: str
-    method: str
-    group: dist.ProcessGroup
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    caller: FrameType
-    issuer: Callable[[dist.ProcessGroup, str, tuple[Any, ...], dict[str, Any], FrameType], Any]
-
-    def proceed(self) -> Any:
-        """Issue the call as it was made; its ``Work`` (or None)."""
-        return self.issuer(self.group, self.method, self.args, self.kwargs, self.caller)
-
-
-#: What a watched group's collectives go to; it returns what the method returns.
-Handler = Callable[[Call], Any]
-
 _lock = threading.Lock()
-#: Watched groups and their handlers; read by the recorder's wrappers.
-handlers: dict[dist.ProcessGroup, Handler] = {}
-_issuer: list[Callable[[dist.ProcessGroup, str, tuple[Any, ...], dict[str, Any], FrameType], Any]] = []
-
-
-def set_issuer(
-    issuer: Callable[[dist.ProcessGroup, str, tuple[Any, ...], dict[str, Any], FrameType], Any],
-) -> None:
-    """Called once by the recorder: how to issue a call, recorded, without interception."""
-    _issuer.append(issuer)
 
 
 def issue(group: dist.ProcessGroup, method: str, *args: Any) -> Any:
     """Issue ``group.<method>(*args)`` recorded but not intercepted; its ``Work``."""
-    import sys
-
-    return _issuer[0](group, method, args, {}, sys._getframe(1))
+    return issuers[0](group, method, args, {}, sys._getframe(1))
 
 
 def watched(group: dist.ProcessGroup) -> bool:
@@ -78,8 +47,6 @@ def intercept(group: dist.ProcessGroup, handler: Handler) -> Iterator[None]:
     Raises:
         RuntimeError: ``group`` is already watched.
     """
-    from join_core.recorder import record_collectives  # the recorder's wrappers hand calls here
-
     record_collectives()
     with _lock:
         if group in handlers:

@@ -44,13 +44,8 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
-from join_core.survivor_agent import (
-    BEAT_INTERVAL,
-    DEFAULT_AGENT_TIMEOUT,
-    JobOutcome,
-    SurvivorAgent,
-    SurvivorRendezvous,
-)
+from join_core.agent_ledger import BEAT_INTERVAL
+from join_core.survivor_agent import DEFAULT_AGENT_TIMEOUT, JobOutcome, SurvivorAgent, SurvivorRendezvous
 
 __all__ = ["launch", "main", "parse_args"]
 

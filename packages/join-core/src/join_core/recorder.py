@@ -41,7 +41,7 @@ from typing import Any, Final
 import torch
 import torch.distributed as dist
 
-from join_core import intercept
+from join_core import handoff
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -355,7 +355,7 @@ def record_collectives(capacity: int = DEFAULT_CAPACITY) -> CollectiveRecorder:
             if original is not None:
                 methods[method] = (original, op, positions)
                 setattr(process_group, method, _wrap_collective(issue, original, method, op))
-        intercept.set_issuer(issue)
+        handoff.set_issuer(issue)
         work_class: Any = dist.Work
         work_class.wait = _wrap_wait(rec, work_class.wait)
         _recorder = rec
@@ -399,14 +399,14 @@ def _wrap_collective(
     op: str,
 ) -> Callable[..., Any]:
     getframe = sys._getframe
-    handlers = intercept.handlers
+    handlers = handoff.handlers
     new = tuple.__new__  # a NamedTuple's own constructor costs a microsecond more
 
     def collective(self: dist.ProcessGroup, *args: Any, **kwargs: Any) -> Any:
         if handlers:
             handler = handlers.get(self)
             if handler is not None:
-                return handler(new(intercept.Call, (op, method, self, args, kwargs, getframe(1), issue)))
+                return handler(new(handoff.Call, (op, method, self, args, kwargs, getframe(1), issue)))
         return issue(self, method, args, kwargs, getframe(1))
 
     collective.__name__ = collective.__qualname__ = original.__name__

@@ -26,30 +26,26 @@ lost. The workers use the agent's store (``TORCHELASTIC_USE_AGENT_STORE``),
 so losing any worker, rank 0's included, loses no store.
 
 Use it through ``python -m join_core.launch`` (:mod:`join_core.launch`).
+The verdicts are :mod:`join_core.job_outcome`'s, the agents' record in the
+store :mod:`join_core.agent_ledger`'s, and the rendezvous handler that
+admits no node :mod:`join_core.survivor_rendezvous`'s.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import signal
-import socket
 import time
-from contextlib import suppress
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, cast
+from typing import Any, Final
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs, ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
 from join_core._torch_elastic import worker_error_file, worker_processes
-
-if TYPE_CHECKING:
-    # The class of the rendezvous store; torch.distributed does not re-export it to type checkers.
-    from torch._C._distributed_c10d import Store
+from join_core.agent_ledger import BEAT_INTERVAL, EXIT_BARRIER_TIMEOUT, Ledger
+from join_core.job_outcome import JobOutcome, WorkerEnd
+from join_core.survivor_rendezvous import SurvivorRendezvous
 
 __all__ = ["DEFAULT_AGENT_TIMEOUT", "JobOutcome", "SurvivorAgent", "SurvivorRendezvous", "WorkerEnd"]
 
@@ -58,172 +54,6 @@ logger: logging.Logger = logging.getLogger(__name__)
 #: Seconds an agent may go without beating in the rendezvous store before the
 #: others count its unfinished workers as lost.
 DEFAULT_AGENT_TIMEOUT: Final = 30.0
-#: Seconds between an agent's beats.
-BEAT_INTERVAL: Final = 1.0
-#: Seconds the agents wait, once every worker ended, for every live agent to
-#: have read the outcome before they leave (one of them may serve the store).
-READ_WAIT: Final = 30.0
-
-#: Seconds torch's exit barrier waits for a lost agent once the others succeeded.
-EXIT_BARRIER_TIMEOUT: Final = 5.0
-
-_PREFIX: Final = "join_core/launch/"
-_ENDS: Final = f"{_PREFIX}ends"  # numbers each worker's end, in the order seen
-_SUCCEEDED: Final = f"{_PREFIX}succeeded"  # workers that ended with exit code 0
-_RECORDED: Final = f"{_PREFIX}recorded"  # ends whose record is in the store
-_READ: Final = f"{_PREFIX}read"  # agents that read the outcome
-
-Verdict = Literal["succeeded", "lost", "failed"]
-_VERDICTS: Final[dict[str, Verdict]] = {"succeeded": "succeeded", "lost": "lost", "failed": "failed"}
-
-
-@dataclass(frozen=True)
-class WorkerEnd:
-    """How one worker (one rank) of the job ended."""
-
-    rank: int
-    local_rank: int
-    host: str
-    pid: int
-    exitcode: int  # negative: killed by that signal; UNKNOWN_EXIT: its agent was lost with it
-    verdict: Verdict
-    detail: str  # what was seen, e.g. "killed by SIGKILL while 2 other workers still ran"
-
-    def describe(self) -> str:
-        """One line: the rank, where it ran, its verdict and what was seen."""
-        where = (f"local rank {self.local_rank} " if self.local_rank >= 0 else "") + f"on {self.host}"
-        where += f", pid {self.pid}" if self.pid > 0 else ""
-        return f"rank {self.rank} ({where}): {self.verdict}" + (f": {self.detail}" if self.detail else "")
-
-    def to_json(self) -> str:
-        """This end as the agents keep it in the rendezvous store."""
-        return json.dumps(
-            {
-                "rank": self.rank,
-                "local_rank": self.local_rank,
-                "host": self.host,
-                "pid": self.pid,
-                "exitcode": self.exitcode,
-                "verdict": self.verdict,
-                "detail": self.detail,
-            }
-        )
-
-    @staticmethod
-    def from_json(raw: bytes | str) -> WorkerEnd:
-        """An end read from the store (:meth:`to_json`); raises ValueError, KeyError or
-        TypeError on anything else."""
-        data = json.loads(raw)
-        return WorkerEnd(
-            int(data["rank"]),
-            int(data["local_rank"]),
-            str(data["host"])[:200],
-            int(data["pid"]),
-            int(data["exitcode"]),
-            _VERDICTS[str(data["verdict"])],
-            str(data["detail"])[:2000],
-        )
-
-
-#: WorkerEnd.exitcode of a worker whose agent was lost with it.
-UNKNOWN_EXIT: Final = -1000
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    """Every worker's end, by rank; the same on every agent of the job."""
-
-    ends: tuple[WorkerEnd, ...]
-
-    @property
-    def succeeded(self) -> bool:
-        """At least one worker succeeded and none failed (lost ones may have)."""
-        verdicts = [end.verdict for end in self.ends]
-        return "succeeded" in verdicts and "failed" not in verdicts
-
-    @property
-    def lost(self) -> tuple[WorkerEnd, ...]:
-        """The lost workers, by rank."""
-        return tuple(end for end in self.ends if end.verdict == "lost")
-
-    def summary(self) -> str:
-        """A headline, then one line per rank."""
-        count = {v: sum(end.verdict == v for end in self.ends) for v in ("succeeded", "lost", "failed")}
-        total = len(self.ends)
-        if self.succeeded:
-            head = f"job succeeded: {count['succeeded']} of {total} workers finished"
-            if count["lost"]:
-                head += f"; {count['lost']} lost, and the survivors went on without them"
-        elif count["succeeded"] == 0 and count["failed"]:
-            head = f"job failed: no worker of {total} finished"
-        else:
-            head = (
-                f"job failed: {count['failed']} of {total} workers failed after the job could no longer "
-                "go on without them (another worker had finished, or none was left running)"
-            )
-        return "\n".join([head, *(f"  {end.describe()}" for end in self.ends)])
-
-
-def describe_exit(exitcode: int) -> str:
-    """``exited with code 1`` or ``killed by SIGKILL``."""
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"killed by {name}"
-    return f"exited with code {exitcode}"
-
-
-class SurvivorRendezvous(RendezvousHandler):
-    """A rendezvous handler that never reports nodes waiting to join, so that
-    the agent does not stop its running workers to admit them (torch's agent
-    restarts every worker when a node waits); everything else is ``inner``'s."""
-
-    def __init__(self, inner: RendezvousHandler) -> None:
-        self._inner = inner
-        self._told = False
-
-    def get_backend(self) -> str:
-        """``inner``'s."""
-        return str(self._inner.get_backend())
-
-    @property
-    def use_agent_store(self) -> bool:
-        """``inner``'s."""
-        return bool(self._inner.use_agent_store)
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        """``inner``'s."""
-        return self._inner.next_rendezvous()
-
-    def is_closed(self) -> bool:
-        """``inner``'s."""
-        return bool(self._inner.is_closed())
-
-    def set_closed(self) -> None:
-        """``inner``'s."""
-        self._inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        """0, whatever ``inner`` says (logged once when it says more)."""
-        waiting = int(self._inner.num_nodes_waiting())
-        if waiting and not self._told:
-            self._told = True
-            logger.warning(
-                "join_core.launch: %d node(s) wait to join the rendezvous; they are not admitted: the "
-                "running workers go on, and the group is never re-formed",
-                waiting,
-            )
-        return 0
-
-    def get_run_id(self) -> str:
-        """``inner``'s."""
-        return str(self._inner.get_run_id())
-
-    def shutdown(self) -> bool:
-        """``inner``'s."""
-        return bool(self._inner.shutdown())
 
 
 class SurvivorAgent(LocalElasticAgent):
@@ -273,7 +103,7 @@ class SurvivorAgent(LocalElasticAgent):
             **kwargs,
         )
         self._agent_timeout = agent_timeout
-        self._ledger: _Ledger | None = None
+        self._ledger: Ledger | None = None
         self._ended: dict[int, WorkerEnd] = {}  # local rank -> its end
         self._failures: dict[int, ProcessFailure] = {}  # global rank -> torch's record of its error
         self.outcome: JobOutcome | None = None
@@ -282,7 +112,7 @@ class SurvivorAgent(LocalElasticAgent):
         processes = worker_processes(self)
         ledger = self._ledger
         if ledger is None:
-            ledger = self._ledger = _Ledger(worker_group, self._agent_timeout)
+            ledger = self._ledger = Ledger(worker_group, self._agent_timeout)
         now = time.monotonic()
         ledger.beat(now)
         for local_rank, proc in processes.items():
@@ -306,7 +136,7 @@ class SurvivorAgent(LocalElasticAgent):
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _record_end(
-        self, worker_group: WorkerGroup, ledger: _Ledger, local_rank: int, pid: int, exitcode: int
+        self, worker_group: WorkerGroup, ledger: Ledger, local_rank: int, pid: int, exitcode: int
     ) -> None:
         worker = worker_group.workers[local_rank]
         message = ""
@@ -340,157 +170,3 @@ def _failure(local_rank: int, pid: int, exitcode: int, error_file: str) -> Proce
         return ProcessFailure(local_rank=local_rank, pid=pid, exitcode=exitcode, error_file=error_file)
     except Exception:  # noqa: BLE001 - an unreadable error file: report the exit alone
         return ProcessFailure(local_rank=local_rank, pid=pid, exitcode=exitcode, error_file="")
-
-
-class _Ledger:
-    """This agent's side of the job's record in the rendezvous store: each
-    worker's end, the agents' beats, and the final outcome."""
-
-    def __init__(self, worker_group: WorkerGroup, agent_timeout: float) -> None:
-        # WorkerGroup's attributes are typed by their initial None.
-        store = cast("Store | None", worker_group.store)
-        if store is None:
-            raise RuntimeError("join_core.launch: the agent has no rendezvous store (no rendezvous yet)")
-        self._store: Store = store
-        self._group_rank = int(cast("int | None", worker_group.group_rank) or 0)
-        self._agents = int(cast("int | None", worker_group.group_world_size) or 1)
-        self._world_size = int(worker_group.workers[0].world_size)
-        self._host = socket.gethostname()
-        self._timeout = agent_timeout
-        self._beat_at = -float("inf")
-        self._judged_at = -float("inf")
-        self._seen: dict[int, tuple[int, float]] = {}  # agent -> (its beat, when it last moved)
-        self._lost_agents: set[int] = set()
-        ranks = [worker.global_rank for worker in worker_group.workers]
-        self._store.set(self._ranks_key(self._group_rank), json.dumps(ranks))
-
-    @staticmethod
-    def _ranks_key(agent: int) -> str:
-        return f"{_PREFIX}agent/{agent}/ranks"
-
-    @staticmethod
-    def _beat_key(agent: int) -> str:
-        return f"{_PREFIX}agent/{agent}/beat"
-
-    @staticmethod
-    def _end_key(rank: int) -> str:
-        return f"{_PREFIX}end/{rank}"
-
-    def beat(self, now: float) -> None:
-        """Tell the other agents this one is alive (at most once a BEAT_INTERVAL)."""
-        if now - self._beat_at >= BEAT_INTERVAL:
-            self._beat_at = now
-            self._store.add(self._beat_key(self._group_rank), 1)
-
-    def record(self, rank: int, local_rank: int, pid: int, exitcode: int, message: str) -> WorkerEnd:
-        """Number a local worker's end among the job's, judge it, and publish it."""
-        verdict: Verdict
-        if exitcode == 0:
-            self._store.add(_SUCCEEDED, 1)  # before its number: a failure numbered after it sees it
-            self._store.add(_ENDS, 1)
-            verdict, detail = "succeeded", ""
-        else:
-            running = self._world_size - int(self._store.add(_ENDS, 1))
-            finished = int(self._store.add(_SUCCEEDED, 0))
-            seen = describe_exit(exitcode) + (f" ({message})" if message else "")
-            if finished:
-                verdict, detail = "failed", f"{seen} after {finished} worker(s) had finished"
-            elif running <= 0:
-                verdict, detail = "failed", f"{seen}, the last worker running"
-            else:
-                verdict, detail = "lost", f"{seen} while {running} other worker(s) still ran"
-        end = WorkerEnd(rank, local_rank, self._host, pid, exitcode, verdict, detail)
-        self._publish(end)
-        return end
-
-    def _publish(self, end: WorkerEnd) -> bool:
-        """Write ``end`` unless the rank already has a record; count it if written."""
-        raw = end.to_json()
-        current = self._store.compare_set(self._end_key(end.rank), "", raw)
-        if current != raw.encode():
-            return False
-        self._store.add(_RECORDED, 1)
-        return True
-
-    def job_outcome(self, now: float) -> JobOutcome | None:
-        """Every worker's end once all are recorded; None while some still run.
-        Judges silent agents on the way (once a BEAT_INTERVAL)."""
-        if int(self._store.add(_RECORDED, 0)) < self._world_size:
-            if now - self._judged_at < BEAT_INTERVAL:
-                return None
-            self._judged_at = now
-            self._judge_silent_agents(now)
-            if int(self._store.add(_RECORDED, 0)) < self._world_size:
-                return None
-        raws = self._store.multi_get([self._end_key(rank) for rank in range(self._world_size)])
-        ends = []
-        for rank, raw in enumerate(raws):
-            try:
-                ends.append(WorkerEnd.from_json(raw))
-            except (ValueError, KeyError, TypeError) as error:
-                ends.append(
-                    WorkerEnd(rank, -1, "?", -1, UNKNOWN_EXIT, "failed", f"unreadable record: {error}")
-                )
-        return JobOutcome(tuple(ends))
-
-    def _judge_silent_agents(self, now: float) -> None:
-        silent = []
-        for agent in range(self._agents):
-            if agent == self._group_rank or agent in self._lost_agents:
-                continue
-            beat = int(self._store.add(self._beat_key(agent), 0))
-            last = self._seen.get(agent)
-            if last is None or last[0] != beat:
-                self._seen[agent] = (beat, now)
-            elif now - last[1] > self._timeout:
-                silent.append(agent)
-        for agent in silent:
-            self._lost_agents.add(agent)
-            ranks = self._agent_ranks(agent)
-            quiet = now - self._seen[agent][1]
-            logger.warning(
-                "join_core.launch: the agent of group rank %d has not answered for %.0f s: its unfinished "
-                "workers (ranks %s) count as lost (torch's exit barrier then waits %.0f s for it in vain)",
-                agent,
-                quiet,
-                ", ".join(map(str, ranks)) or "unknown",
-                EXIT_BARRIER_TIMEOUT,
-            )
-            for rank in ranks:
-                if not self._store.check([self._end_key(rank)]):
-                    self._publish(
-                        WorkerEnd(
-                            rank,
-                            -1,
-                            f"the host of agent {agent}",  # its local rank is not known
-                            -1,
-                            UNKNOWN_EXIT,
-                            "lost",
-                            f"its agent stopped answering for {quiet:.0f} s (its host went down?)",
-                        )
-                    )
-
-    def _agent_ranks(self, agent: int) -> list[int]:
-        key = self._ranks_key(agent)
-        if not self._store.check([key]):
-            return []
-        with suppress(ValueError, TypeError):
-            return [int(rank) for rank in json.loads(self._store.get(key))][: self._world_size]
-        return []
-
-    def wait_for_readers(self) -> None:
-        """Count this agent as having read the outcome, and wait (at most
-        READ_WAIT) for every live agent to have: one may serve the store."""
-        readers = int(self._store.add(_READ, 1))
-        deadline = time.monotonic() + READ_WAIT
-        expected = self._agents - len(self._lost_agents)
-        while readers < expected and time.monotonic() < deadline:
-            time.sleep(BEAT_INTERVAL / 10)
-            readers = int(self._store.add(_READ, 0))
-        if readers < expected:
-            logger.warning(
-                "join_core.launch: %d of %d agents read the outcome within %.0f s; leaving anyway",
-                readers,
-                expected,
-                READ_WAIT,
-            )
