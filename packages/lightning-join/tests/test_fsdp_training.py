@@ -5,78 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import cases
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from sharded import ShardedRegression, full_state, net, reference
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from join_core.testing import RanksFailedError, run_ranks
 from lightning_join import JoinFSDPStrategy
 
 WORLD: int = 3
 BASE, EXTRA, EPOCHS = 2, 1, 2  # rank r has BASE + r * EXTRA batches
-HIDDEN: int = 6
-
-
-def _net() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(cases.FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
-    )
-
-
-def _optimizer(
-    params: Any, interval: str = "step"
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    # Every step (or epoch): a joined rank's replayed steps need the learning rate of theirs.
-    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
-
-
-class ShardedRegression(pl.LightningModule):
-    """A two-layer regression sharded with fully_shard, trained with SGD,
-    momentum and a learning rate multiplied by 0.8 every step (or epoch),
-    logging a synced loss every step."""
-
-    def __init__(self, interval: str = "step") -> None:
-        super().__init__()
-        self.net = _net()
-        self.interval = interval
-
-    def configure_model(self) -> None:
-        assert self.device_mesh is not None
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.net:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True, batch_size=len(x))
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.log("val_loss", loss, sync_dist=True, on_epoch=True, batch_size=len(x))
-        self.log(
-            "val_count", float(len(x)), sync_dist=True, reduce_fx="sum", on_epoch=True, batch_size=len(x)
-        )
-
-    def configure_optimizers(self) -> Any:
-        optimizer, scheduler = _optimizer(self.parameters(), self.interval)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.interval}}
-
-
-def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-        for key, value in model.state_dict().items()
-    }
+COUNTS: tuple[int, ...] = tuple(BASE + rank * EXTRA for rank in range(WORLD))
 
 
 def _fit(
@@ -91,29 +31,7 @@ def _fit(
     )
     trainer = cases.trainer(world_size, max_epochs=EPOCHS, strategy=strategy)
     trainer.fit(model, cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
-    return _full_state(model.net), trainer.global_step, float(trainer.callback_metrics["train_loss_epoch"])
-
-
-def _reference(divide: bool, interval: str) -> dict[str, torch.Tensor]:
-    """One process, the same steps: step i sums the gradients of the ranks
-    that have a batch i, divided by the world size (or by their number),
-    and the learning rate is multiplied by 0.8 every step (or epoch)."""
-    net = _net()
-    optimizer, scheduler = _optimizer(net.parameters(), interval)
-    shares = [cases.regression_batches(rank, BASE + rank * EXTRA) for rank in range(WORLD)]
-    for _ in range(EPOCHS):
-        for step in range(max(map(len, shares))):
-            optimizer.zero_grad()
-            active = [share[step] for share in shares if step < len(share)]
-            divisor = WORLD if divide else len(active)
-            for x, y in active:
-                (torch.nn.functional.mse_loss(net(x), y) / divisor).backward()
-            optimizer.step()
-            if interval == "step":
-                scheduler.step()
-        if interval == "epoch":
-            scheduler.step()
-    return net.state_dict()
+    return full_state(model.net), trainer.global_step, float(trainer.callback_metrics["train_loss_epoch"])
 
 
 @pytest.mark.timeout(240)
@@ -124,7 +42,7 @@ def test_uneven_batches_end_with_the_single_process_model_on_every_rank(
     divide_by_initial_world_size: bool, interval: str
 ) -> None:
     results = run_ranks(_fit, WORLD, False, divide_by_initial_world_size, interval, timeout=150)
-    expected = _reference(divide_by_initial_world_size, interval)
+    expected = reference(COUNTS, EPOCHS, divide_by_initial_world_size, interval)
     steps = EPOCHS * (BASE + (WORLD - 1) * EXTRA)
     for rank, (state, global_step, _) in enumerate(results):
         assert global_step == steps, f"rank {rank}"
@@ -163,18 +81,18 @@ def _fit_and_validate(
     else:
         trainer.validate(model, val, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
-    return metrics, _full_state(model.net)
+    return metrics, full_state(model.net)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", ["fit", "validate"])
 def test_exact_validation_equals_the_single_process_values(stage: str) -> None:
     results = run_ranks(_fit_and_validate, WORLD, stage, timeout=150)
-    net = _net()
-    net.load_state_dict(results[0][1])
+    model = net()
+    model.load_state_dict(results[0][1])
     x, y = _validation_data().tensors
     with torch.no_grad():
-        expected = float(torch.nn.functional.mse_loss(net(x), y))
+        expected = float(torch.nn.functional.mse_loss(model(x), y))
     for rank, (metrics, _) in enumerate(results):
         assert metrics["val_count"] == SAMPLES, f"rank {rank}"
         assert metrics["val_loss"] == pytest.approx(expected, rel=1e-5), f"rank {rank}"
