@@ -7,6 +7,7 @@ from typing import Any
 import cases
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from sharded import ShardedRegression, full_state, net, reference
 from torch.distributed.fsdp import fully_shard
@@ -133,6 +134,8 @@ def _fit_refused(rank: int, world_size: int, setting: str) -> str:
         strategy = JoinFSDPStrategy(data_parallel_size=1)
     elif setting == "roots":
         model = _TwoRoots()
+    elif setting == "every_n_train_steps":
+        options = {"callbacks": [ModelCheckpoint(every_n_train_steps=2)], "enable_checkpointing": True}
     else:
         options = {setting: 2}
     trainer = cases.trainer(world_size, max_epochs=1, strategy=strategy, **options)
@@ -151,6 +154,7 @@ def _fit_refused(rank: int, world_size: int, setting: str) -> str:
         ("roots", "has 2 outermost modules sharded with fully_shard (net.0, net.2)"),
         ("accumulate_grad_batches", "use accumulate_grad_batches=1"),
         ("gradient_clip_val", "leave gradient_clip_val unset"),
+        ("every_n_train_steps", "ModelCheckpoint(every_n_train_steps=2) saves in the middle of an epoch"),
     ],
 )
 def test_settings_a_joined_rank_cannot_replay_are_refused_naming_the_fix(setting: str, named: str) -> None:

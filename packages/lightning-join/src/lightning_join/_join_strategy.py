@@ -140,6 +140,8 @@ class JoinStrategyBase(ParallelStrategy):
                     "an epoch, where ranks with different numbers of batches are at different batches; "
                     "use val_check_interval=1.0 (validate after each epoch, the default)"
                 )
+            for callback in trainer.checkpoint_callbacks:
+                _check_checkpoint_interval(name, callback)
 
     # Data.
 
@@ -347,3 +349,18 @@ class JoinStrategyBase(ParallelStrategy):
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The optimizer's param groups without their parameters (lr, momentum, ...)."""
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def _check_checkpoint_interval(strategy: str, callback: object) -> None:
+    """Reject a checkpoint callback that saves in the middle of an epoch, naming the fix."""
+    steps = getattr(callback, "_every_n_train_steps", 0) or 0
+    interval = getattr(callback, "_train_time_interval", None)
+    if not steps and interval is None:
+        return
+    setting = f"every_n_train_steps={steps}" if steps else f"train_time_interval={interval!r}"
+    raise ValueError(
+        f"{strategy}: {type(callback).__name__}({setting}) saves in the middle of an epoch, where a rank "
+        "that has run out of batches cannot take part in the checkpoint's collectives (nor in the "
+        "broadcast of rank 0's decision to save); leave every_n_train_steps and train_time_interval "
+        "unset and save after epochs (every_n_epochs, 1 by default)"
+    )
