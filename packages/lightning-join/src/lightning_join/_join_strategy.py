@@ -304,7 +304,10 @@ class JoinStrategyBase(ParallelStrategy):
         """Every rank takes the optimizer (or, when sharded, its
         hyperparameters) and scheduler states and the step counters of the
         highest rank with the most batches; nothing moves when all had as
-        many."""
+        many. A rank that shadowed the others' batches drops the gradients
+        their reductions left in its ``.grad``: they are no gradient of its
+        own, and a manual ``zero_grad()`` after the step would not clear
+        them before its next backward."""
         trainer = self._trainer
         assert trainer is not None
         loop = trainer.fit_loop.epoch_loop
@@ -313,6 +316,8 @@ class JoinStrategyBase(ParallelStrategy):
         dist.all_reduce(counts)
         if bool((counts == counts[0]).all()):
             return
+        if counts[self.global_rank] < counts.max() and self.lightning_module is not None:
+            self.lightning_module.zero_grad(set_to_none=True)
         src = int((counts == counts.max()).nonzero().max())
         whole = self._take_optimizer_states()
         state: dict[str, Any] | None = None
