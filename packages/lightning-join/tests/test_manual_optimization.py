@@ -95,3 +95,93 @@ def test_manual_optimization_ends_with_the_single_process_model_on_every_rank(fs
         assert global_step == EPOCHS * max(COUNTS), f"rank {rank}"
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
+
+
+FAULT_AT: int = 3  # the last batch of rank 2, the others have joined by then
+
+
+class _DDPFault(ManualRegression):
+    """At batch FAULT_AT, two backward passes (``"two backwards"``) or none."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.fault = fault
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if batch_idx != FAULT_AT:
+            return super().training_step(batch, batch_idx)
+        optimizer = _optimizer(self)
+        loss = cases.Regression.training_step(self, batch, batch_idx)
+        if self.fault == "two backwards":
+            x, y = batch
+            self.manual_backward(loss)
+            self.manual_backward(torch.nn.functional.mse_loss(self.net(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+
+class _FSDPFault(ManualShardedRegression):
+    """At batch FAULT_AT, two optimizer steps (``"two steps"``) or none."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.fault = fault
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if batch_idx != FAULT_AT:
+            return super().training_step(batch, batch_idx)
+        optimizer = _optimizer(self)
+        loss = sharded.ShardedRegression.training_step(self, batch, batch_idx)
+        self.manual_backward(loss)
+        for _ in range(2 if self.fault == "two steps" else 0):
+            optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+
+def _fit_faulty(rank: int, world_size: int, fault: str) -> str:
+    cases.lightning_env(rank, world_size)
+    fsdp = fault in ("two steps", "no step")
+    strategy = JoinFSDPStrategy() if fsdp else JoinDDPStrategy()
+    trainer = cases.trainer(world_size, max_epochs=1, strategy=strategy)
+    model = _FSDPFault(fault) if fsdp else _DDPFault(fault)
+    try:
+        trainer.fit(model, cases.loader(cases.regression_batches(rank, COUNTS[rank])))
+    except Exception as error:  # noqa: BLE001 - the test reports what each rank raised
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("fault", "named"),
+    [
+        (
+            "two backwards",
+            "JoinDDPStrategy: with manual optimization (automatic_optimization=False), "
+            "every training_step must call self.manual_backward() once; this one called it 2 times: "
+            "a rank out of batches shadows one gradient all-reduce",
+        ),
+        (
+            "no backward",
+            "every training_step must call self.manual_backward() once; this one called it 0 times",
+        ),
+        (
+            "two steps",
+            "JoinFSDPStrategy: with manual optimization (automatic_optimization=False), every "
+            "training_step must call the optimizer's step() once; this one called it 2 times: a rank out of "
+            "batches replays one forward, backward and optimizer step",
+        ),
+        ("no step", "every training_step must call the optimizer's step() once; this one called it 0 times"),
+    ],
+)
+def test_a_manual_training_step_a_joined_rank_cannot_shadow_stops_every_rank_naming_the_fix(
+    fault: str, named: str
+) -> None:
+    messages = run_ranks(_fit_faulty, WORLD, fault, timeout=90)
+    assert messages[2].startswith("ValueError: ") and named in messages[2], messages[2]
+    for rank in (0, 1):
+        assert messages[rank].startswith("JoinAbortedError: Join aborted: rank 2 raised ValueError: "), (
+            messages[rank]
+        )

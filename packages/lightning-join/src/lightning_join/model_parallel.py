@@ -100,6 +100,8 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
             (each message names the setting to change).
     """
 
+    _manual_steps = 1  # a joined rank replays one optimizer step per batch of the others
+
     def __init__(
         self,
         data_parallel_size: Literal["auto"] | int = "auto",
@@ -219,6 +221,14 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
             self._joinable.remove_hooks()
             self._joinable = None
         super().teardown()
+
+    @override
+    def _manual_rule(self) -> str:
+        return (
+            "a rank out of batches replays one forward, backward and optimizer step per batch of the "
+            "others; call self.manual_backward() and opt.step() once in every training_step (for "
+            "gradient accumulation, use a larger batch)"
+        )
 
     # The joinables.
 
