@@ -41,12 +41,16 @@ class ManualRegression(cases.Regression):
 
 
 class ManualShardedRegression(sharded.ShardedRegression):
-    """sharded.ShardedRegression, its optimizer and step-interval scheduler
-    stepped in training_step."""
+    """sharded.ShardedRegression, its optimizer stepped in training_step, and
+    its scheduler (multiplying the learning rate by 0.8) stepped after every
+    step (``schedule="step"``, configured with interval "step"), in
+    on_train_epoch_end (``"epoch"``), or on the epoch's last batch
+    (``"last batch"``, as Lightning's documentation shows)."""
 
-    def __init__(self) -> None:
-        super().__init__("step")
+    def __init__(self, schedule: str = "step") -> None:
+        super().__init__("step" if schedule == "step" else "epoch")
         self.automatic_optimization = False
+        self.schedule = schedule
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         optimizer = _optimizer(self)
@@ -54,17 +58,27 @@ class ManualShardedRegression(sharded.ShardedRegression):
         self.manual_backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        scheduler = self.lr_schedulers()
-        assert isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
-        scheduler.step()
+        if self.schedule == "step" or (self.schedule == "last batch" and self.trainer.is_last_batch):
+            self._scheduler().step()
         return loss
 
+    def on_train_epoch_end(self) -> None:
+        if self.schedule == "epoch":
+            self._scheduler().step()
 
-def _fit(rank: int, world_size: int, fsdp: bool) -> tuple[dict[str, torch.Tensor], int]:
+    def _scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        scheduler = self.lr_schedulers()
+        assert isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
+        return scheduler
+
+
+def _fit(rank: int, world_size: int, schedule: str | None) -> tuple[dict[str, torch.Tensor], int]:
+    """Fit ManualRegression with JoinDDPStrategy (``schedule`` None), or
+    ManualShardedRegression(schedule) with JoinFSDPStrategy."""
     cases.lightning_env(rank, world_size)
-    strategy = JoinFSDPStrategy() if fsdp else JoinDDPStrategy()
+    strategy = JoinDDPStrategy() if schedule is None else JoinFSDPStrategy()
     trainer = cases.trainer(world_size, max_epochs=EPOCHS, strategy=strategy)
-    model = ManualShardedRegression() if fsdp else ManualRegression()
+    model = ManualRegression() if schedule is None else ManualShardedRegression(schedule)
     trainer.fit(model, cases.loader(cases.regression_batches(rank, COUNTS[rank])))
     if isinstance(model, ManualShardedRegression):
         return sharded.full_state(model.net), trainer.global_step
@@ -87,14 +101,41 @@ def _regression_reference() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_manual_optimization_ends_with_the_single_process_model_on_every_rank(fsdp: bool) -> None:
-    results = run_ranks(_fit, WORLD, fsdp, timeout=150)
-    expected = sharded.reference(COUNTS, EPOCHS) if fsdp else _regression_reference()
+@pytest.mark.parametrize("schedule", [None, "step", "epoch"], ids=["ddp", "fsdp-step", "fsdp-epoch"])
+def test_manual_optimization_ends_with_the_single_process_model_on_every_rank(schedule: str | None) -> None:
+    results = run_ranks(_fit, WORLD, schedule, timeout=150)
+    expected = (
+        _regression_reference() if schedule is None else sharded.reference(COUNTS, EPOCHS, True, schedule)
+    )
     for rank, (state, global_step) in enumerate(results):
         assert global_step == EPOCHS * max(COUNTS), f"rank {rank}"
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
+
+
+def _fit_scheduled_on_last_batch(rank: int, world_size: int) -> str:
+    cases.lightning_env(rank, world_size)
+    trainer = cases.trainer(world_size, max_epochs=1, strategy=JoinFSDPStrategy())
+    try:
+        trainer.fit(
+            ManualShardedRegression("last batch"), cases.loader(cases.regression_batches(rank, COUNTS[rank]))
+        )
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_stepped_with_another_learning_rate_stops_every_rank_naming_the_fix() -> None:
+    # Rank 0 steps the scheduler after its last batch, batch 1, then replays
+    # batches 2 and 3 of the others with the next epoch's learning rate.
+    messages = run_ranks(_fit_scheduled_on_last_batch, WORLD, timeout=90)
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith(
+        "JoinFSDPStrategy: rank 0 stepped its shard at batch 2 of epoch 0 with learning rate 0.08 where "
+        "rank 2, still training, used 0.1 (rank 1 too), so the model is no longer"
+    ), messages[0]
+    assert "or after the epoch (in on_train_epoch_end, not on trainer.is_last_batch" in messages[0]
 
 
 FAULT_AT: int = 3  # the last batch of rank 2, the others have joined by then

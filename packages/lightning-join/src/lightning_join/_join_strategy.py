@@ -90,6 +90,16 @@ class JoinStrategyBase(ParallelStrategy):
         """Why a manual ``training_step`` must make the calls it must, and how."""
         raise NotImplementedError
 
+    def _epoch_record(self) -> Any:
+        """What the longest rank sends the others after an epoch, for
+        :meth:`_check_epoch_record` (None: nothing)."""
+        return None
+
+    def _check_epoch_record(self, record: Any, src: int) -> None:
+        """After an uneven epoch, on every rank: check that this rank followed
+        rank ``src`` (the longest) as ``record`` tells, raising on every rank
+        if one did not. Nothing to check by default."""
+
     def _take_optimizer_states(self) -> bool:
         """Whether ranks take the longest rank's whole optimizer states after
         an epoch (False: only their hyperparameters, the states being shards)."""
@@ -405,9 +415,11 @@ class JoinStrategyBase(ParallelStrategy):
                 "manual_progress": loop.manual_optimization.optim_step_progress.state_dict(),
                 "scheduler_progress": loop.scheduler_progress.state_dict(),
                 "batches_that_stepped": loop._batches_that_stepped,
+                "epoch_record": self._epoch_record(),
             }
         state = self.broadcast(state, src)
         assert state is not None
+        self._check_epoch_record(state["epoch_record"], src)
         if self.global_rank == src:
             return
         for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -132,7 +133,10 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
             exact_eval, throw_on_early_termination, divide_by_initial_world_size, liveness_timeout
         )
         self._joinable: FSDPJoinable | None = None
-        self._step_hook: RemovableHandle | None = None
+        self._step_hooks: list[RemovableHandle] = []
+        # The learning rates of each optimizer step of this epoch (one per param group),
+        # the replayed ones included: a joined rank must step its shard with the others'.
+        self._step_lrs: list[list[float]] = []
         # The index of the batch a joined rank replays, while it does (None: not shadowing).
         self._replayed_batch: int | None = None
 
@@ -191,7 +195,10 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
                 "dimension, every rank) to fully_shard"
             ) from error
         if fitting:
-            self._step_hook = optimizer.register_step_post_hook(self._after_step)
+            self._step_hooks += [
+                optimizer.register_step_pre_hook(self._before_step),
+                optimizer.register_step_post_hook(self._after_step),
+            ]
 
     @override
     def _check_trainer(self, trainer: pl.Trainer) -> None:
@@ -214,9 +221,9 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self._leave_all()
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
         if self._joinable is not None:
             self._joinable.remove_hooks()
             self._joinable = None
@@ -250,6 +257,12 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
         return False  # each rank holds (and stepped) its own shard of them
 
     @override
+    def enter_training(self) -> None:
+        if self._training_join is None:
+            self._step_lrs = []  # a new epoch
+        super().enter_training()
+
+    @override
     def leave_training(self, error: BaseException | None) -> None:
         """Leave this epoch's Join: shadow the other ranks' batches (stepping
         the step-interval schedulers with the replayed optimizer steps) and
@@ -261,6 +274,45 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
             super().leave_training(error)
         finally:
             self._replayed_batch = None
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._step_lrs.append([float(group["lr"]) for group in optimizer.param_groups])
+
+    @override
+    def _epoch_record(self) -> Any:
+        return self._step_lrs
+
+    @override
+    def _check_epoch_record(self, record: Any, src: int) -> None:
+        """Every rank checks that each of its optimizer steps of the epoch,
+        the replayed ones included, had the learning rates of rank ``src``'s
+        step of the same batch; if one did not, every rank raises."""
+        found = torch.zeros(self.world_size, 3, dtype=torch.float64, device=self.root_device)
+        for batch, (mine, theirs) in enumerate(zip(self._step_lrs, record)):
+            differ = [(a, b) for a, b in zip(mine, theirs) if not math.isclose(a, b, rel_tol=1e-6)]
+            if differ:
+                found[self.global_rank] = torch.tensor([batch + 1, *differ[0]], dtype=torch.float64)
+                break
+        dist.all_reduce(found)
+        ranks = [rank for rank in range(self.world_size) if found[rank, 0] > 0]
+        if not ranks:
+            return
+        batch, mine, theirs = found[ranks[0]].tolist()
+        others = ""
+        if len(ranks) > 1:
+            others = f" (rank{'s' if len(ranks) > 2 else ''} {', '.join(map(str, ranks[1:]))} too)"
+        epoch = self._trainer.current_epoch if self._trainer is not None else "?"
+        raise RuntimeError(
+            f"JoinFSDPStrategy: rank {ranks[0]} stepped its shard at batch {int(batch) - 1} of epoch "
+            f"{epoch} with learning rate {mine:g} where rank {src}, still training, used {theirs:g}"
+            f"{others}, so the model is no longer the one every rank would train: a rank out of "
+            'batches steps only the schedulers configured with "interval": "step", once per replayed '
+            "optimizer step. Step a scheduler either once after every optimizer step, configured with "
+            '"interval": "step" (with manual optimization, in training_step), or after the epoch (in '
+            "on_train_epoch_end, not on trainer.is_last_batch, which comes earlier on a rank with fewer "
+            "batches); a ReduceLROnPlateau on a step interval cannot lower the learning rate while a "
+            "rank is out of batches"
+        )
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """After a joined rank's replayed optimizer step: step the
