@@ -75,13 +75,18 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def reference(
-    counts: Sequence[int], epochs: int, divide: bool = True, interval: str = "step"
+    counts: Sequence[int],
+    epochs: int,
+    divide: bool = True,
+    interval: str = "step",
+    clip: tuple[float, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One process, the steps of ``len(counts)`` ranks where rank r has
     ``counts[r]`` batches of :func:`cases.regression_batches`: step i sums
     the gradients of the ranks that have a batch i, divided by the world
-    size (or by their number), and the learning rate is multiplied by 0.8
-    every step (or epoch)."""
+    size (or by their number), clipped (``clip``: the value and
+    ``"norm"`` or ``"value"``) if asked, and the learning rate is multiplied
+    by 0.8 every step (or epoch)."""
     model = net()
     sgd, scheduler = optimizer(model.parameters())
     shares = [cases.regression_batches(rank, count) for rank, count in enumerate(counts)]
@@ -92,6 +97,10 @@ def reference(
             divisor = len(counts) if divide else len(active)
             for x, y in active:
                 (torch.nn.functional.mse_loss(model(x), y) / divisor).backward()
+            if clip is not None and clip[1] == "norm":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip[0])
+            elif clip is not None:
+                torch.nn.utils.clip_grad_value_(model.parameters(), clip[0])
             sgd.step()
             if interval == "step":
                 scheduler.step()

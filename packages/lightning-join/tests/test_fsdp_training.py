@@ -61,6 +61,37 @@ def test_model_parallel_strategy_hangs_on_the_same_uneven_batches() -> None:
         run_ranks(_fit, 2, True, True, timeout=45)
 
 
+def _fit_clipped(rank: int, world_size: int, clip_val: float, algorithm: str) -> dict[str, torch.Tensor]:
+    cases.lightning_env(rank, world_size)
+    model = ShardedRegression()
+    trainer = cases.trainer(
+        world_size,
+        max_epochs=EPOCHS,
+        strategy=JoinFSDPStrategy(),
+        gradient_clip_val=clip_val,
+        gradient_clip_algorithm=algorithm,
+    )
+    trainer.fit(model, cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
+    return full_state(model.net)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("clip_val", "algorithm"), [(0.3, "norm"), (0.05, "value")])
+def test_clipped_gradients_end_with_the_single_process_model_on_every_rank(
+    clip_val: float, algorithm: str
+) -> None:
+    # Every step clips: the averaged gradient's norm stays above 0.3, and some of its
+    # elements above 0.05. A joined rank clips its shard of it too, counted in the norm.
+    results = run_ranks(_fit_clipped, WORLD, clip_val, algorithm, timeout=150)
+    expected = reference(COUNTS, EPOCHS, clip=(clip_val, algorithm))
+    unclipped = reference(COUNTS, EPOCHS)
+    assert any(not torch.allclose(expected[key], unclipped[key], rtol=1e-3) for key in expected)
+    for rank, state in enumerate(results):
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
+            assert torch.equal(state[key], results[0][key]), f"rank {rank}: {key}"
+
+
 SAMPLES, BATCH = 25, 4  # exact_eval shares of 9, 8 and 8 samples: 3, 2 and 2 batches
 
 
@@ -153,7 +184,6 @@ def _fit_refused(rank: int, world_size: int, setting: str) -> str:
         ("data_parallel_size", "set data_parallel_size=2 (the world size) and tensor_parallel_size=1"),
         ("roots", "has 2 outermost modules sharded with fully_shard (net.0, net.2)"),
         ("accumulate_grad_batches", "use accumulate_grad_batches=1"),
-        ("gradient_clip_val", "leave gradient_clip_val unset"),
         ("every_n_train_steps", "ModelCheckpoint(every_n_train_steps=2) saves in the middle of an epoch"),
     ],
 )

@@ -45,17 +45,23 @@ class ManualShardedRegression(sharded.ShardedRegression):
     its scheduler (multiplying the learning rate by 0.8) stepped after every
     step (``schedule="step"``, configured with interval "step"), in
     on_train_epoch_end (``"epoch"``), or on the epoch's last batch
-    (``"last batch"``, as Lightning's documentation shows)."""
+    (``"last batch"``, as Lightning's documentation shows); its gradients
+    clipped to a norm of ``clip`` with ``self.clip_gradients()``, if given."""
 
-    def __init__(self, schedule: str = "step") -> None:
+    def __init__(self, schedule: str = "step", clip: float | None = None) -> None:
         super().__init__("step" if schedule == "step" else "epoch")
         self.automatic_optimization = False
         self.schedule = schedule
+        self.clip = clip
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         optimizer = _optimizer(self)
         loss = super().training_step(batch, batch_idx)
         self.manual_backward(loss)
+        if self.clip is not None:
+            self.clip_gradients(
+                optimizer.optimizer, gradient_clip_val=self.clip, gradient_clip_algorithm="norm"
+            )
         optimizer.step()
         optimizer.zero_grad()
         if self.schedule == "step" or (self.schedule == "last batch" and self.trainer.is_last_batch):
@@ -72,13 +78,15 @@ class ManualShardedRegression(sharded.ShardedRegression):
         return scheduler
 
 
-def _fit(rank: int, world_size: int, schedule: str | None) -> tuple[dict[str, torch.Tensor], int]:
+def _fit(
+    rank: int, world_size: int, schedule: str | None, clip: float | None
+) -> tuple[dict[str, torch.Tensor], int]:
     """Fit ManualRegression with JoinDDPStrategy (``schedule`` None), or
-    ManualShardedRegression(schedule) with JoinFSDPStrategy."""
+    ManualShardedRegression(schedule, clip) with JoinFSDPStrategy."""
     cases.lightning_env(rank, world_size)
     strategy = JoinDDPStrategy() if schedule is None else JoinFSDPStrategy()
     trainer = cases.trainer(world_size, max_epochs=EPOCHS, strategy=strategy)
-    model = ManualRegression() if schedule is None else ManualShardedRegression(schedule)
+    model = ManualRegression() if schedule is None else ManualShardedRegression(schedule, clip)
     trainer.fit(model, cases.loader(cases.regression_batches(rank, COUNTS[rank])))
     if isinstance(model, ManualShardedRegression):
         return sharded.full_state(model.net), trainer.global_step
@@ -101,12 +109,19 @@ def _regression_reference() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", [None, "step", "epoch"], ids=["ddp", "fsdp-step", "fsdp-epoch"])
-def test_manual_optimization_ends_with_the_single_process_model_on_every_rank(schedule: str | None) -> None:
-    results = run_ranks(_fit, WORLD, schedule, timeout=150)
-    expected = (
-        _regression_reference() if schedule is None else sharded.reference(COUNTS, EPOCHS, True, schedule)
-    )
+@pytest.mark.parametrize(
+    ("schedule", "clip"),
+    [(None, None), ("step", None), ("epoch", None), ("step", 0.3)],
+    ids=["ddp", "fsdp-step", "fsdp-epoch", "fsdp-step-clipped"],
+)
+def test_manual_optimization_ends_with_the_single_process_model_on_every_rank(
+    schedule: str | None, clip: float | None
+) -> None:
+    results = run_ranks(_fit, WORLD, schedule, clip, timeout=150)
+    if schedule is None:
+        expected = _regression_reference()
+    else:
+        expected = sharded.reference(COUNTS, EPOCHS, True, schedule, None if clip is None else (clip, "norm"))
     for rank, (state, global_step) in enumerate(results):
         assert global_step == EPOCHS * max(COUNTS), f"rank {rank}"
         for key, value in expected.items():

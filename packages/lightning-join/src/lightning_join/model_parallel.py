@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 import torch.distributed as dist
@@ -57,8 +57,12 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
             fully_shard(self.net, mesh=self.device_mesh)
 
     The model must accept a batch of size 0 (a joined rank replays its last
-    batch cut to length 0), with one optimizer, no gradient accumulation and
-    no gradient clipping.
+    batch cut to length 0), with one optimizer and no gradient accumulation.
+    Gradient clipping (``Trainer(gradient_clip_val=...)``, by norm or value,
+    or ``self.clip_gradients()``) goes through
+    :meth:`ddp_join.FSDPJoinable.clip_grad_norm_` and ``clip_grad_value_``,
+    which a joined rank repeats with its shard of the averaged gradient: the
+    model is the one a single process gets by clipping that gradient.
 
     Each rank brings its own share of the data: use
     ``Trainer(use_distributed_sampler=False)`` and, for example,
@@ -195,6 +199,7 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
                 "dimension, every rank) to fully_shard"
             ) from error
         if fitting:
+            self._route_clipping()
             self._step_hooks += [
                 optimizer.register_step_pre_hook(self._before_step),
                 optimizer.register_step_post_hook(self._after_step),
@@ -211,12 +216,6 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
                 "is not supported (a rank out of batches replays one forward, backward and optimizer step "
                 "per batch of the others); use accumulate_grad_batches=1 and a larger batch"
             )
-        if trainer.gradient_clip_val:
-            raise ValueError(
-                f"JoinFSDPStrategy: Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported "
-                "(the norm of sharded gradients is reduced by DTensor with collectives a rank out of "
-                "batches cannot shadow); leave gradient_clip_val unset"
-            )
 
     @override
     def teardown(self) -> None:
@@ -224,6 +223,8 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
         for handle in self._step_hooks:
             handle.remove()
         self._step_hooks = []
+        for name in _CLIPS:
+            self.precision_plugin.__dict__.pop(name, None)
         if self._joinable is not None:
             self._joinable.remove_hooks()
             self._joinable = None
@@ -274,6 +275,29 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
             super().leave_training(error)
         finally:
             self._replayed_batch = None
+
+    def _route_clipping(self) -> None:
+        """Clip through the joinable, which a joined rank's replay repeats:
+        the precision plugin's ``clip_grad_by_norm`` and ``clip_grad_by_value``
+        (which ``Trainer(gradient_clip_val=...)`` and ``self.clip_gradients()``
+        reach) call :meth:`ddp_join.FSDPJoinable.clip_grad_norm_` and
+        ``clip_grad_value_`` instead of torch's. torch's norm is totalled by a
+        DTensor all-reduce that a joined rank would not issue; the joinable's
+        counts the joined rank's shard of the reduced gradient, so the norm is
+        that of the whole averaged gradient, as with DDP."""
+        strategy = self
+
+        def clip_grad_by_norm(optimizer: object, clip_val: float) -> None:
+            assert strategy._joinable is not None, "set up with the joinable"
+            strategy._joinable.clip_grad_norm_(float(clip_val))
+
+        def clip_grad_by_value(optimizer: object, clip_val: float) -> None:
+            assert strategy._joinable is not None, "set up with the joinable"
+            strategy._joinable.clip_grad_value_(float(clip_val))
+
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._step_lrs.append([float(group["lr"]) for group in optimizer.param_groups])
@@ -329,6 +353,10 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
                 and (batch + 1) % config.frequency == 0
             ):
                 self.lightning_module.lr_scheduler_step(config.scheduler, None)  # type: ignore[union-attr]
+
+
+#: The precision plugin's methods that clip through the joinable (instance attributes while set up).
+_CLIPS: Final = ("clip_grad_by_norm", "clip_grad_by_value")
 
 
 def _sharded_root(module: torch.nn.Module | None) -> torch.nn.Module:
