@@ -102,7 +102,13 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
         ValueError: ``tensor_parallel_size`` is not 1 or ``"auto"``; at
             set-up, ``data_parallel_size`` is not the world size, or the
             model or Trainer is set up in a way a joined rank cannot replay
-            (each message names the setting to change).
+            (each message names the setting to change); in fitting, a manual
+            ``training_step`` that does not call ``manual_backward()`` and
+            the optimizer's ``step()`` once.
+        RuntimeError: after an epoch in which a rank stepped its shard with
+            another learning rate than the ranks still training (a scheduler
+            stepped otherwise than a joined rank can follow), on every rank,
+            naming the rank, the batch and the fix.
     """
 
     _manual_steps = 1  # a joined rank replays one optimizer step per batch of the others
