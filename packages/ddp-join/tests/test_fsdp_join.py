@@ -314,3 +314,85 @@ def test_shadow_collectives_beside_fsdp_shadow_an_evaluation_loop() -> None:
     expected = [sum(losses[r][s] for r in range(3) if s < EVAL_COUNTS[r]) for s in range(max(EVAL_COUNTS))]
     for rank, logged in enumerate(results):
         assert logged == pytest.approx(expected[: EVAL_COUNTS[rank]], rel=1e-5), f"rank {rank}"
+
+
+def _train_clipped(rank: int, world_size: int, kind: str) -> dict[str, torch.Tensor]:
+    assert dist.group.WORLD is not None
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    joinable = FSDPJoinable(model, optimizer)
+    with Join([joinable, ShadowCollectives()]):
+        for step in range(counts(world_size)[rank]):
+            optimizer.zero_grad()
+            loss = loss_fn(model, *batch(rank, step))
+            synced = loss.detach().clone()
+            dist.all_reduce(synced)  # a loop collective beside the clip's
+            loss.backward()
+            if kind == "value":
+                joinable.clip_grad_value_(CLIP_VALUE)
+            else:
+                norm = joinable.clip_grad_norm_(CLIP_NORM[kind], float(kind))
+                assert norm > CLIP_NORM[kind]  # every step clips
+            optimizer.step()
+    return _full_state(model)
+
+
+CLIP_NORM: dict[str, float] = {"2.0": 0.2, "inf": 0.05}  # below every step's norm
+CLIP_VALUE: float = 0.02
+
+
+def _clipped_reference(world_size: int, kind: str) -> torch.Tensor:
+    """reference(), with the averaged gradient of each step clipped."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    steps = counts(world_size)
+    for step in range(max(steps)):
+        model.zero_grad()
+        for rank in range(world_size):
+            if step < steps[rank]:
+                (loss_fn(model, *batch(rank, step)) / world_size).backward()
+        if kind == "value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM[kind], float(kind))
+        optimizer.step()
+    return flat_params(model)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["2.0", "inf", "value"])
+def test_clipped_gradients_of_uneven_ranks_match_the_single_process_reference(kind: str) -> None:
+    world_size = 3
+    results = run_ranks(_train_clipped, world_size, kind, timeout=120)
+    plain = make_model()
+    plain.load_state_dict(results[0])
+    torch.testing.assert_close(flat_params(plain), _clipped_reference(world_size, kind), rtol=1e-5, atol=1e-6)
+    for rank, state in enumerate(results):
+        for key in state:
+            assert torch.equal(state[key], results[0][key]), f"rank {rank}: {key}"
+
+
+def _refusals(rank: int, world_size: int) -> list[str]:
+    model = _sharded_model(torch.device("cpu"), nested=False)
+    joinable = FSDPJoinable(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    messages = []
+    for call in (
+        lambda: joinable.clip_grad_norm_(-1.0),
+        lambda: joinable.clip_grad_norm_(1.0, 0.0),
+        lambda: joinable.clip_grad_value_(-0.5),
+    ):
+        try:
+            call()
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_clip_arguments_out_of_range_are_refused() -> None:
+    (messages,) = run_ranks(_refusals, 1, timeout=60)
+    assert messages == [
+        "FSDPJoinable.clip_grad_norm_(max_norm=-1.0): give a norm of at least 0",
+        "FSDPJoinable.clip_grad_norm_(norm_type=0.0): give a p greater than 0 (2.0 for the Euclidean "
+        "norm, float('inf') for the largest absolute value)",
+        "FSDPJoinable.clip_grad_value_(clip_value=-0.5): give a value of at least 0",
+    ]

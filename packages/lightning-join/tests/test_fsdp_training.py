@@ -5,78 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 import cases
-import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
+from sharded import ShardedRegression, full_state, net, reference
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from join_core.testing import RanksFailedError, run_ranks
 from lightning_join import JoinFSDPStrategy
 
 WORLD: int = 3
 BASE, EXTRA, EPOCHS = 2, 1, 2  # rank r has BASE + r * EXTRA batches
-HIDDEN: int = 6
-
-
-def _net() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(cases.FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1)
-    )
-
-
-def _optimizer(
-    params: Any, interval: str = "step"
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    # Every step (or epoch): a joined rank's replayed steps need the learning rate of theirs.
-    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
-
-
-class ShardedRegression(pl.LightningModule):
-    """A two-layer regression sharded with fully_shard, trained with SGD,
-    momentum and a learning rate multiplied by 0.8 every step (or epoch),
-    logging a synced loss every step."""
-
-    def __init__(self, interval: str = "step") -> None:
-        super().__init__()
-        self.net = _net()
-        self.interval = interval
-
-    def configure_model(self) -> None:
-        assert self.device_mesh is not None
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.net:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True, batch_size=len(x))
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.log("val_loss", loss, sync_dist=True, on_epoch=True, batch_size=len(x))
-        self.log(
-            "val_count", float(len(x)), sync_dist=True, reduce_fx="sum", on_epoch=True, batch_size=len(x)
-        )
-
-    def configure_optimizers(self) -> Any:
-        optimizer, scheduler = _optimizer(self.parameters(), self.interval)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.interval}}
-
-
-def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-        for key, value in model.state_dict().items()
-    }
+COUNTS: tuple[int, ...] = tuple(BASE + rank * EXTRA for rank in range(WORLD))
 
 
 def _fit(
@@ -91,29 +32,7 @@ def _fit(
     )
     trainer = cases.trainer(world_size, max_epochs=EPOCHS, strategy=strategy)
     trainer.fit(model, cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
-    return _full_state(model.net), trainer.global_step, float(trainer.callback_metrics["train_loss_epoch"])
-
-
-def _reference(divide: bool, interval: str) -> dict[str, torch.Tensor]:
-    """One process, the same steps: step i sums the gradients of the ranks
-    that have a batch i, divided by the world size (or by their number),
-    and the learning rate is multiplied by 0.8 every step (or epoch)."""
-    net = _net()
-    optimizer, scheduler = _optimizer(net.parameters(), interval)
-    shares = [cases.regression_batches(rank, BASE + rank * EXTRA) for rank in range(WORLD)]
-    for _ in range(EPOCHS):
-        for step in range(max(map(len, shares))):
-            optimizer.zero_grad()
-            active = [share[step] for share in shares if step < len(share)]
-            divisor = WORLD if divide else len(active)
-            for x, y in active:
-                (torch.nn.functional.mse_loss(net(x), y) / divisor).backward()
-            optimizer.step()
-            if interval == "step":
-                scheduler.step()
-        if interval == "epoch":
-            scheduler.step()
-    return net.state_dict()
+    return full_state(model.net), trainer.global_step, float(trainer.callback_metrics["train_loss_epoch"])
 
 
 @pytest.mark.timeout(240)
@@ -124,7 +43,7 @@ def test_uneven_batches_end_with_the_single_process_model_on_every_rank(
     divide_by_initial_world_size: bool, interval: str
 ) -> None:
     results = run_ranks(_fit, WORLD, False, divide_by_initial_world_size, interval, timeout=150)
-    expected = _reference(divide_by_initial_world_size, interval)
+    expected = reference(COUNTS, EPOCHS, divide_by_initial_world_size, interval)
     steps = EPOCHS * (BASE + (WORLD - 1) * EXTRA)
     for rank, (state, global_step, _) in enumerate(results):
         assert global_step == steps, f"rank {rank}"
@@ -140,6 +59,37 @@ def test_uneven_batches_end_with_the_single_process_model_on_every_rank(
 def test_model_parallel_strategy_hangs_on_the_same_uneven_batches() -> None:
     with pytest.raises(RanksFailedError, match="no result within"):
         run_ranks(_fit, 2, True, True, timeout=45)
+
+
+def _fit_clipped(rank: int, world_size: int, clip_val: float, algorithm: str) -> dict[str, torch.Tensor]:
+    cases.lightning_env(rank, world_size)
+    model = ShardedRegression()
+    trainer = cases.trainer(
+        world_size,
+        max_epochs=EPOCHS,
+        strategy=JoinFSDPStrategy(),
+        gradient_clip_val=clip_val,
+        gradient_clip_algorithm=algorithm,
+    )
+    trainer.fit(model, cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
+    return full_state(model.net)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("clip_val", "algorithm"), [(0.3, "norm"), (0.05, "value")])
+def test_clipped_gradients_end_with_the_single_process_model_on_every_rank(
+    clip_val: float, algorithm: str
+) -> None:
+    # Every step clips: the averaged gradient's norm stays above 0.3, and some of its
+    # elements above 0.05. A joined rank clips its shard of it too, counted in the norm.
+    results = run_ranks(_fit_clipped, WORLD, clip_val, algorithm, timeout=150)
+    expected = reference(COUNTS, EPOCHS, clip=(clip_val, algorithm))
+    unclipped = reference(COUNTS, EPOCHS)
+    assert any(not torch.allclose(expected[key], unclipped[key], rtol=1e-3) for key in expected)
+    for rank, state in enumerate(results):
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
+            assert torch.equal(state[key], results[0][key]), f"rank {rank}: {key}"
 
 
 SAMPLES, BATCH = 25, 4  # exact_eval shares of 9, 8 and 8 samples: 3, 2 and 2 batches
@@ -163,18 +113,18 @@ def _fit_and_validate(
     else:
         trainer.validate(model, val, verbose=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
-    return metrics, _full_state(model.net)
+    return metrics, full_state(model.net)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", ["fit", "validate"])
 def test_exact_validation_equals_the_single_process_values(stage: str) -> None:
     results = run_ranks(_fit_and_validate, WORLD, stage, timeout=150)
-    net = _net()
-    net.load_state_dict(results[0][1])
+    model = net()
+    model.load_state_dict(results[0][1])
     x, y = _validation_data().tensors
     with torch.no_grad():
-        expected = float(torch.nn.functional.mse_loss(net(x), y))
+        expected = float(torch.nn.functional.mse_loss(model(x), y))
     for rank, (metrics, _) in enumerate(results):
         assert metrics["val_count"] == SAMPLES, f"rank {rank}"
         assert metrics["val_loss"] == pytest.approx(expected, rel=1e-5), f"rank {rank}"
@@ -215,6 +165,8 @@ def _fit_refused(rank: int, world_size: int, setting: str) -> str:
         strategy = JoinFSDPStrategy(data_parallel_size=1)
     elif setting == "roots":
         model = _TwoRoots()
+    elif setting == "every_n_train_steps":
+        options = {"callbacks": [ModelCheckpoint(every_n_train_steps=2)], "enable_checkpointing": True}
     else:
         options = {setting: 2}
     trainer = cases.trainer(world_size, max_epochs=1, strategy=strategy, **options)
@@ -232,7 +184,7 @@ def _fit_refused(rank: int, world_size: int, setting: str) -> str:
         ("data_parallel_size", "set data_parallel_size=2 (the world size) and tensor_parallel_size=1"),
         ("roots", "has 2 outermost modules sharded with fully_shard (net.0, net.2)"),
         ("accumulate_grad_batches", "use accumulate_grad_batches=1"),
-        ("gradient_clip_val", "leave gradient_clip_val unset"),
+        ("every_n_train_steps", "ModelCheckpoint(every_n_train_steps=2) saves in the middle of an epoch"),
     ],
 )
 def test_settings_a_joined_rank_cannot_replay_are_refused_naming_the_fix(setting: str, named: str) -> None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Any
+
 import cases
 import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from join_core.testing import run_ranks
@@ -12,7 +16,15 @@ from lightning_join import JoinDDPStrategy
 
 def _fit_refused(rank: int, world_size: int, setting: str) -> str:
     cases.lightning_env(rank, world_size)
-    options = {"use_distributed_sampler": True} if setting == "sampler" else {"val_check_interval": 0.5}
+    options: dict[str, Any] = {"enable_checkpointing": True}
+    if setting == "sampler":
+        options["use_distributed_sampler"] = True
+    elif setting == "interval":
+        options["val_check_interval"] = 0.5
+    elif setting == "checkpoint_steps":
+        options["callbacks"] = [ModelCheckpoint(every_n_train_steps=2)]
+    else:
+        options["callbacks"] = [ModelCheckpoint(train_time_interval=timedelta(minutes=5))]
     trainer = cases.trainer(world_size, max_epochs=1, strategy=JoinDDPStrategy(), **options)
     try:
         trainer.fit(cases.Regression(), cases.loader(cases.regression_batches(rank, 4)))
@@ -26,9 +38,14 @@ def _fit_refused(rank: int, world_size: int, setting: str) -> str:
     [
         ("sampler", "JoinDDPStrategy needs Trainer(use_distributed_sampler=False)"),
         ("interval", "Trainer(val_check_interval=0.5) validates in the middle of an epoch"),
+        ("checkpoint_steps", "ModelCheckpoint(every_n_train_steps=2) saves in the middle of an epoch"),
+        (
+            "checkpoint_time",
+            "ModelCheckpoint(train_time_interval=datetime.timedelta(seconds=300)) saves in the middle",
+        ),
     ],
 )
-def test_trainer_settings_that_pad_or_validate_mid_epoch_are_refused(setting: str, named: str) -> None:
+def test_trainer_settings_that_pad_validate_or_save_mid_epoch_are_refused(setting: str, named: str) -> None:
     (message,) = run_ranks(_fit_refused, 1, setting, timeout=60)
     assert named in message
 

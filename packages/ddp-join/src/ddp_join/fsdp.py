@@ -54,7 +54,9 @@ class FSDPJoinable:
     loop's other collectives (a loss all-reduced for logging) around them. A rank that has joined runs, per iteration
     of the ranks still training: the heartbeat, ``optimizer.zero_grad()``,
     the forward of ``module`` on an empty slice (batch size 0) of its last
-    input, ``backward()`` of the output's sum times zero, and
+    input, ``backward()`` of the output's sum times zero, the gradient clips
+    of its own last iteration (:meth:`clip_grad_norm_`,
+    :meth:`clip_grad_value_`: use them instead of torch's), and
     ``optimizer.step()``. FSDP issues the same all-gathers and reduce-scatters
     as on the training ranks; the joined rank's gradient adds nothing, and its
     shard is stepped with the reduced gradient, so after the Join every rank
@@ -129,6 +131,9 @@ class FSDPJoinable:
         self._owed_output: Any = None
         self._replaying = False
         self._in_backward = False  # between a backward's start and its end callback
+        # The gradient clips of this rank's iteration, in order, which a joined rank
+        # repeats between its replayed backward and optimizer step: (kind, value, norm type).
+        self._clips: list[tuple[str, float, float]] = []
         self._owned = OwnedCollectives("FSDPJoinable", self._group)
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
@@ -178,6 +183,7 @@ class FSDPJoinable:
         self._in_backward = False  # a backward that failed left no end callback
         self._hand_over()
         self._last_input = (_empty_slice(args), _empty_slice(kwargs), torch.is_grad_enabled())
+        self._clips = []
         Join.notify_join_context(self)  # an iteration starts (carried: no collective of Join's)
         self._owned.begin()
         try:
@@ -237,6 +243,90 @@ class FSDPJoinable:
         total, self._pending = self._pending, None
         if total is not None and Join.is_active(self):
             Join.heartbeat_result(self, total)
+
+    # Gradient clipping.
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients of ``module``'s parameters so that their total
+        norm is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``,
+        and have a joined rank do the same before each replayed optimizer step.
+
+        Call it between the backward and ``optimizer.step()`` instead of
+        torch's: torch's reduces the norm of the sharded gradients with
+        DTensor collectives that a joined rank neither sees nor issues. Here
+        each rank adds up its shard's part and one all-reduce, marked as this
+        joinable's (:class:`join_core.OwnedCollectives`), totals them; a joined
+        rank issues it in its replay with its own shard of the reduced
+        gradient, so the norm is that of the whole reduced gradient and every
+        shard is scaled alike.
+
+        Args:
+            max_norm: the largest total norm, at least 0.
+            norm_type: the p of the p-norm (``float("inf")``: the largest
+                absolute value), greater than 0.
+
+        Returns:
+            The total norm of the gradients before clipping, the same on
+            every rank.
+
+        Raises:
+            ValueError: ``max_norm`` is negative or ``norm_type`` not positive.
+        """
+        if not max_norm >= 0:
+            raise ValueError(f"FSDPJoinable.clip_grad_norm_(max_norm={max_norm}): give a norm of at least 0")
+        if not norm_type > 0:
+            raise ValueError(
+                f"FSDPJoinable.clip_grad_norm_(norm_type={norm_type}): give a p greater than 0 "
+                "(2.0 for the Euclidean norm, float('inf') for the largest absolute value)"
+            )
+        if not self._replaying:
+            self._clips.append(("norm", float(max_norm), float(norm_type)))
+        with self._owned:
+            return self._clip("norm", float(max_norm), float(norm_type))
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the gradients of ``module``'s parameters to
+        ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``,
+        and have a joined rank do the same to its shard before each replayed
+        optimizer step. Call it between the backward and ``optimizer.step()``.
+
+        Raises:
+            ValueError: ``clip_value`` is negative.
+        """
+        if not clip_value >= 0:
+            raise ValueError(
+                f"FSDPJoinable.clip_grad_value_(clip_value={clip_value}): give a value of at least 0"
+            )
+        if not self._replaying:
+            self._clips.append(("value", float(clip_value), 0.0))
+        self._clip("value", float(clip_value), 0.0)
+
+    def _clip(self, kind: str, value: float, norm_type: float) -> torch.Tensor:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        shards = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        with torch.no_grad():
+            if kind == "value":
+                for shard in shards:
+                    shard.clamp_(-value, value)
+                return torch.zeros((), device=self._device)
+            inf = norm_type == float("inf")
+            if inf:
+                part = torch.zeros((), dtype=torch.float32, device=self._device)
+                for shard in shards:
+                    if shard.numel():
+                        part = torch.maximum(part, shard.detach().abs().max().float())
+            else:
+                norms = [torch.linalg.vector_norm(shard.detach().float(), norm_type) for shard in shards]
+                part = (
+                    torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=self._device)
+                )
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            dist.all_reduce(part, op=op, group=self._group)
+            total = part if inf else part.pow(1.0 / norm_type)
+            scale = torch.clamp(value / (total + 1e-6), max=1.0)
+            for shard in shards:
+                shard.mul_(scale.to(shard.dtype))
+            return total
 
     # Shared.
 
@@ -303,6 +393,8 @@ class FSDPJoinable:
                     "tensor that requires grad; a joined rank has nothing to run backward() on"
                 )
             zero.backward()
+            for kind, value, norm_type in self._clips:
+                self._clip(kind, value, norm_type)
             self.optimizer.step()
         finally:
             self._replaying = False

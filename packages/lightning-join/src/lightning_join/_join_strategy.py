@@ -8,9 +8,9 @@ before their Lightning strategy; each says which joinables its Joins hold.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from torch.distributed import ReduceOp
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from torchmetrics import Metric
 from typing_extensions import override
@@ -49,6 +50,11 @@ class JoinStrategyBase(ParallelStrategy):
     _training_join: Join | None
     _evaluation_join: Join | None
     _metrics: list[Metric]
+    #: With manual optimization, how many ``manual_backward()`` calls and
+    #: optimizer steps every ``training_step`` makes (None: any number).
+    _manual_backwards: ClassVar[int | None] = 1
+    _manual_steps: ClassVar[int | None] = None
+    _manual_calls: dict[str, int] | None  # in a manual training_step: its calls so far
 
     def _init_join(
         self,
@@ -65,6 +71,7 @@ class JoinStrategyBase(ParallelStrategy):
         self._training_join = None
         self._evaluation_join = None
         self._metrics = []  # whose dist_sync_fn this strategy set
+        self._manual_calls = None
 
     # What subclasses say.
 
@@ -78,6 +85,20 @@ class JoinStrategyBase(ParallelStrategy):
 
     def _on_evaluation_step(self) -> None:
         """Called at the start of each evaluation step inside its Join."""
+
+    def _manual_rule(self) -> str:
+        """Why a manual ``training_step`` must make the calls it must, and how."""
+        raise NotImplementedError
+
+    def _epoch_record(self) -> Any:
+        """What the longest rank sends the others after an epoch, for
+        :meth:`_check_epoch_record` (None: nothing)."""
+        return None
+
+    def _check_epoch_record(self, record: Any, src: int) -> None:
+        """After an uneven epoch, on every rank: check that this rank followed
+        rank ``src`` (the longest) as ``record`` tells, raising on every rank
+        if one did not. Nothing to check by default."""
 
     def _take_optimizer_states(self) -> bool:
         """Whether ranks take the longest rank's whole optimizer states after
@@ -140,6 +161,8 @@ class JoinStrategyBase(ParallelStrategy):
                     "an epoch, where ranks with different numbers of batches are at different batches; "
                     "use val_check_interval=1.0 (validate after each epoch, the default)"
                 )
+            for callback in trainer.checkpoint_callbacks:
+                _check_checkpoint_interval(name, callback)
 
     # Data.
 
@@ -201,6 +224,68 @@ class JoinStrategyBase(ParallelStrategy):
         votes = torch.tensor([1.0 if decision else 0.0, 1.0], device=self.root_device)
         dist.all_reduce(votes)
         return bool(votes[0] == votes[1]) if all else bool(votes[0] > 0)
+
+    # Manual optimization: the calls of one training step, which a rank out of
+    # batches shadows once per batch of the others.
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """As Lightning's; with manual optimization, a step that makes more or
+        fewer ``manual_backward()`` calls or optimizer steps than a rank out
+        of batches can shadow raises ``ValueError`` naming the fix."""
+        module = self.lightning_module
+        if module is None or module.automatic_optimization:
+            return super().training_step(*args, **kwargs)
+        self._manual_calls = calls = {"backward": 0, "step": 0}
+        try:
+            output = super().training_step(*args, **kwargs)
+        finally:
+            self._manual_calls = None
+        for what, count in calls.items():
+            if self._manual_limit(what) not in (None, count):
+                raise self._manual_error(what, count)
+        return output
+
+    @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """As Lightning's; counted in a manual ``training_step``."""
+        self._count_manual("backward")
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """As Lightning's; counted in a manual ``training_step``."""
+        self._count_manual("step")
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _count_manual(self, what: str) -> None:
+        calls = self._manual_calls
+        if calls is None:
+            return
+        calls[what] += 1
+        limit = self._manual_limit(what)
+        if limit is not None and calls[what] > limit:
+            raise self._manual_error(what, calls[what])
+
+    def _manual_limit(self, what: str) -> int | None:
+        return self._manual_backwards if what == "backward" else self._manual_steps
+
+    def _manual_error(self, what: str, count: int) -> ValueError:
+        call = "self.manual_backward()" if what == "backward" else "the optimizer's step()"
+        times = "once" if self._manual_limit(what) == 1 else f"{self._manual_limit(what)} times"
+        return ValueError(
+            f"{type(self).__name__}: with manual optimization (automatic_optimization=False), every "
+            f"training_step must call {call} {times}; this one called it {count} "
+            f"{'time' if count == 1 else 'times'}: {self._manual_rule()}"
+        )
 
     # Evaluation steps.
 
@@ -302,7 +387,10 @@ class JoinStrategyBase(ParallelStrategy):
         """Every rank takes the optimizer (or, when sharded, its
         hyperparameters) and scheduler states and the step counters of the
         highest rank with the most batches; nothing moves when all had as
-        many."""
+        many. A rank that shadowed the others' batches drops the gradients
+        their reductions left in its ``.grad``: they are no gradient of its
+        own, and a manual ``zero_grad()`` after the step would not clear
+        them before its next backward."""
         trainer = self._trainer
         assert trainer is not None
         loop = trainer.fit_loop.epoch_loop
@@ -311,6 +399,8 @@ class JoinStrategyBase(ParallelStrategy):
         dist.all_reduce(counts)
         if bool((counts == counts[0]).all()):
             return
+        if counts[self.global_rank] < counts.max() and self.lightning_module is not None:
+            self.lightning_module.zero_grad(set_to_none=True)
         src = int((counts == counts.max()).nonzero().max())
         whole = self._take_optimizer_states()
         state: dict[str, Any] | None = None
@@ -325,9 +415,11 @@ class JoinStrategyBase(ParallelStrategy):
                 "manual_progress": loop.manual_optimization.optim_step_progress.state_dict(),
                 "scheduler_progress": loop.scheduler_progress.state_dict(),
                 "batches_that_stepped": loop._batches_that_stepped,
+                "epoch_record": self._epoch_record(),
             }
         state = self.broadcast(state, src)
         assert state is not None
+        self._check_epoch_record(state["epoch_record"], src)
         if self.global_rank == src:
             return
         for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):
@@ -347,3 +439,18 @@ class JoinStrategyBase(ParallelStrategy):
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The optimizer's param groups without their parameters (lr, momentum, ...)."""
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def _check_checkpoint_interval(strategy: str, callback: object) -> None:
+    """Reject a checkpoint callback that saves in the middle of an epoch, naming the fix."""
+    steps = getattr(callback, "_every_n_train_steps", 0) or 0
+    interval = getattr(callback, "_train_time_interval", None)
+    if not steps and interval is None:
+        return
+    setting = f"every_n_train_steps={steps}" if steps else f"train_time_interval={interval!r}"
+    raise ValueError(
+        f"{strategy}: {type(callback).__name__}({setting}) saves in the middle of an epoch, where a rank "
+        "that has run out of batches cannot take part in the checkpoint's collectives (nor in the "
+        "broadcast of rank 0's decision to save); leave every_n_train_steps and train_time_interval "
+        "unset and save after epochs (every_n_epochs, 1 by default)"
+    )

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,12 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
             fully_shard(self.net, mesh=self.device_mesh)
 
     The model must accept a batch of size 0 (a joined rank replays its last
-    batch cut to length 0), with one optimizer, no gradient accumulation and
-    no gradient clipping.
+    batch cut to length 0), with one optimizer and no gradient accumulation.
+    Gradient clipping (``Trainer(gradient_clip_val=...)``, by norm or value,
+    or ``self.clip_gradients()``) goes through
+    :meth:`ddp_join.FSDPJoinable.clip_grad_norm_` and ``clip_grad_value_``,
+    which a joined rank repeats with its shard of the averaged gradient: the
+    model is the one a single process gets by clipping that gradient.
 
     Each rank brings its own share of the data: use
     ``Trainer(use_distributed_sampler=False)`` and, for example,
@@ -97,8 +102,16 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
         ValueError: ``tensor_parallel_size`` is not 1 or ``"auto"``; at
             set-up, ``data_parallel_size`` is not the world size, or the
             model or Trainer is set up in a way a joined rank cannot replay
-            (each message names the setting to change).
+            (each message names the setting to change); in fitting, a manual
+            ``training_step`` that does not call ``manual_backward()`` and
+            the optimizer's ``step()`` once.
+        RuntimeError: after an epoch in which a rank stepped its shard with
+            another learning rate than the ranks still training (a scheduler
+            stepped otherwise than a joined rank can follow), on every rank,
+            naming the rank, the batch and the fix.
     """
+
+    _manual_steps = 1  # a joined rank replays one optimizer step per batch of the others
 
     def __init__(
         self,
@@ -130,7 +143,10 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
             exact_eval, throw_on_early_termination, divide_by_initial_world_size, liveness_timeout
         )
         self._joinable: FSDPJoinable | None = None
-        self._step_hook: RemovableHandle | None = None
+        self._step_hooks: list[RemovableHandle] = []
+        # The learning rates of each optimizer step of this epoch (one per param group),
+        # the replayed ones included: a joined rank must step its shard with the others'.
+        self._step_lrs: list[list[float]] = []
         # The index of the batch a joined rank replays, while it does (None: not shadowing).
         self._replayed_batch: int | None = None
 
@@ -189,7 +205,11 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
                 "dimension, every rank) to fully_shard"
             ) from error
         if fitting:
-            self._step_hook = optimizer.register_step_post_hook(self._after_step)
+            self._route_clipping()
+            self._step_hooks += [
+                optimizer.register_step_pre_hook(self._before_step),
+                optimizer.register_step_post_hook(self._after_step),
+            ]
 
     @override
     def _check_trainer(self, trainer: pl.Trainer) -> None:
@@ -202,23 +222,27 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
                 "is not supported (a rank out of batches replays one forward, backward and optimizer step "
                 "per batch of the others); use accumulate_grad_batches=1 and a larger batch"
             )
-        if trainer.gradient_clip_val:
-            raise ValueError(
-                f"JoinFSDPStrategy: Trainer(gradient_clip_val={trainer.gradient_clip_val}) is not supported "
-                "(the norm of sharded gradients is reduced by DTensor with collectives a rank out of "
-                "batches cannot shadow); leave gradient_clip_val unset"
-            )
 
     @override
     def teardown(self) -> None:
         self._leave_all()
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = []
+        for name in _CLIPS:
+            self.precision_plugin.__dict__.pop(name, None)
         if self._joinable is not None:
             self._joinable.remove_hooks()
             self._joinable = None
         super().teardown()
+
+    @override
+    def _manual_rule(self) -> str:
+        return (
+            "a rank out of batches replays one forward, backward and optimizer step per batch of the "
+            "others; call self.manual_backward() and opt.step() once in every training_step (for "
+            "gradient accumulation, use a larger batch)"
+        )
 
     # The joinables.
 
@@ -240,6 +264,12 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
         return False  # each rank holds (and stepped) its own shard of them
 
     @override
+    def enter_training(self) -> None:
+        if self._training_join is None:
+            self._step_lrs = []  # a new epoch
+        super().enter_training()
+
+    @override
     def leave_training(self, error: BaseException | None) -> None:
         """Leave this epoch's Join: shadow the other ranks' batches (stepping
         the step-interval schedulers with the replayed optimizer steps) and
@@ -251,6 +281,68 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
             super().leave_training(error)
         finally:
             self._replayed_batch = None
+
+    def _route_clipping(self) -> None:
+        """Clip through the joinable, which a joined rank's replay repeats:
+        the precision plugin's ``clip_grad_by_norm`` and ``clip_grad_by_value``
+        (which ``Trainer(gradient_clip_val=...)`` and ``self.clip_gradients()``
+        reach) call :meth:`ddp_join.FSDPJoinable.clip_grad_norm_` and
+        ``clip_grad_value_`` instead of torch's. torch's norm is totalled by a
+        DTensor all-reduce that a joined rank would not issue; the joinable's
+        counts the joined rank's shard of the reduced gradient, so the norm is
+        that of the whole averaged gradient, as with DDP."""
+        strategy = self
+
+        def clip_grad_by_norm(optimizer: object, clip_val: float) -> None:
+            assert strategy._joinable is not None, "set up with the joinable"
+            strategy._joinable.clip_grad_norm_(float(clip_val))
+
+        def clip_grad_by_value(optimizer: object, clip_val: float) -> None:
+            assert strategy._joinable is not None, "set up with the joinable"
+            strategy._joinable.clip_grad_value_(float(clip_val))
+
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        plugin.clip_grad_by_value = clip_grad_by_value  # type: ignore[method-assign]
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._step_lrs.append([float(group["lr"]) for group in optimizer.param_groups])
+
+    @override
+    def _epoch_record(self) -> Any:
+        return self._step_lrs
+
+    @override
+    def _check_epoch_record(self, record: Any, src: int) -> None:
+        """Every rank checks that each of its optimizer steps of the epoch,
+        the replayed ones included, had the learning rates of rank ``src``'s
+        step of the same batch; if one did not, every rank raises."""
+        found = torch.zeros(self.world_size, 3, dtype=torch.float64, device=self.root_device)
+        for batch, (mine, theirs) in enumerate(zip(self._step_lrs, record)):
+            differ = [(a, b) for a, b in zip(mine, theirs) if not math.isclose(a, b, rel_tol=1e-6)]
+            if differ:
+                found[self.global_rank] = torch.tensor([batch + 1, *differ[0]], dtype=torch.float64)
+                break
+        dist.all_reduce(found)
+        ranks = [rank for rank in range(self.world_size) if found[rank, 0] > 0]
+        if not ranks:
+            return
+        batch, mine, theirs = found[ranks[0]].tolist()
+        others = ""
+        if len(ranks) > 1:
+            others = f" (rank{'s' if len(ranks) > 2 else ''} {', '.join(map(str, ranks[1:]))} too)"
+        epoch = self._trainer.current_epoch if self._trainer is not None else "?"
+        raise RuntimeError(
+            f"JoinFSDPStrategy: rank {ranks[0]} stepped its shard at batch {int(batch) - 1} of epoch "
+            f"{epoch} with learning rate {mine:g} where rank {src}, still training, used {theirs:g}"
+            f"{others}, so the model is no longer the one every rank would train: a rank out of "
+            'batches steps only the schedulers configured with "interval": "step", once per replayed '
+            "optimizer step. Step a scheduler either once after every optimizer step, configured with "
+            '"interval": "step" (with manual optimization, in training_step), or after the epoch (in '
+            "on_train_epoch_end, not on trainer.is_last_batch, which comes earlier on a rank with fewer "
+            "batches); a ReduceLROnPlateau on a step interval cannot lower the learning rate while a "
+            "rank is out of batches"
+        )
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """After a joined rank's replayed optimizer step: step the
@@ -267,6 +359,10 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
                 and (batch + 1) % config.frequency == 0
             ):
                 self.lightning_module.lr_scheduler_step(config.scheduler, None)  # type: ignore[union-attr]
+
+
+#: The precision plugin's methods that clip through the joinable (instance attributes while set up).
+_CLIPS: Final = ("clip_grad_by_norm", "clip_grad_by_value")
 
 
 def _sharded_root(module: torch.nn.Module | None) -> torch.nn.Module:

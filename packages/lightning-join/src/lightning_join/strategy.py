@@ -169,6 +169,13 @@ class JoinDDPStrategy(JoinStrategyBase, DDPStrategy):
             self.model = self.lightning_module
         super().teardown()
 
+    @override
+    def _manual_rule(self) -> str:
+        return (
+            "a rank out of batches shadows one gradient all-reduce, that of one backward, per batch of "
+            "the others; compute one loss and call self.manual_backward() once in every training_step"
+        )
+
     # The joinables.
 
     @override
