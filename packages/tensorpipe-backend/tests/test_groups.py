@@ -53,9 +53,13 @@ def test_members_join_and_leave_with_correct_reverse_maps() -> None:
     init_method = f"tcp://127.0.0.1:{free_port()}"
     results = CONTEXT.Queue()
     leave = [CONTEXT.Event(), CONTEXT.Event()]
+    joined = [CONTEXT.Event(), CONTEXT.Event()]
     targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
-        (dynamic_leader, (init_method, MAPS["d0"], results, leave)),
-        *((dynamic_member, (f"d{r}", r, init_method, MAPS[f"d{r}"], leave[r - 1])) for r in (1, 2)),
+        (dynamic_leader, (init_method, MAPS["d0"], results, leave, joined)),
+        *(
+            (dynamic_member, (f"d{r}", r, init_method, MAPS[f"d{r}"], leave[r - 1], joined[r - 1]))
+            for r in (1, 2)
+        ),
     ]
     with spawned(targets, timeout=40) as workers:
         report = results.get(timeout=50)

@@ -306,10 +306,13 @@ def dynamic_member(
     init_method: str,
     device_maps: dict[str, dict[int, int]],
     leave: multiprocessing.synchronize.Event,
+    joined: multiprocessing.synchronize.Event,
 ) -> None:
-    """Join a dynamic group with ``device_maps`` (on 2 fake CUDA devices), leave when told."""
+    """Join a dynamic group with ``device_maps`` (on 2 fake CUDA devices), say so once ``init_rpc``
+    returned (every member then knows this one), leave when told."""
     fake_cuda_devices(2)
     init_rpc(name, backend(), rank, None, options(init_method, device_maps=device_maps))
+    joined.set()
     leave.wait(60)
     shutdown(graceful=True, timeout=30.0)
 
@@ -533,15 +536,20 @@ def graceful_scenario_caller(init_method: str, results: Any) -> None:
 
 
 def dynamic_leader(
-    init_method: str, device_maps: dict[str, dict[int, int]], results: Any, leave: list[Any]
+    init_method: str,
+    device_maps: dict[str, dict[int, int]],
+    results: Any,
+    leave: list[Any],
+    joined: list[Any],
 ) -> None:
-    """d0: hosts the store; watches d1 and d2 join, checks reverse maps, sees d1 leave."""
+    """d0: hosts the store; once d1's and d2's ``init_rpc`` returned, checks the members and their
+    reverse maps (the store lists a joiner before it has greeted every member), sees d1 leave."""
     fake_cuda_devices(2)
     init_rpc("d0", backend(), 0, None, options(init_method, device_maps=device_maps))
     agent = get_current_agent()
     deadline = time.monotonic() + 40
-    while len(agent.get_worker_infos()) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    for event in joined:
+        event.wait(max(deadline - time.monotonic(), 0.0))
     report: dict[str, object] = {"joined": [i.name for i in agent.get_worker_infos()]}
     report["reverse"] = {name: rpc_sync(name, reverse_maps) for name in ("d0", "d1", "d2")}
     leave[0].set()
