@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,8 +45,12 @@ def _lose_rank_2(rank: int, world_size: int, how: str, where: str) -> str:
     lose = signal.SIGSTOP if how == "freeze" else signal.SIGKILL
 
     def lose_here(spot: str, step: int) -> None:
-        if rank == 2 and step == LOST_AT and where == spot:
+        if step != LOST_AT:
+            return
+        if rank == 2 and where.startswith(spot):
             os.kill(os.getpid(), lose)
+        if rank != 2 and where == f"{spot}-known":  # the loss is known before the backward's reductions
+            time.sleep(2.5 * LIVENESS.total_seconds())
 
     current = [0]
 
@@ -86,7 +91,7 @@ def _lose_rank_2(rank: int, world_size: int, how: str, where: str) -> str:
     return "survived"
 
 
-@pytest.mark.parametrize("where", ["forward", "between-buckets", "step"])
+@pytest.mark.parametrize("where", ["forward", "forward-known", "between-buckets", "step"])
 def test_survivors_of_a_killed_rank_finish_exactly(where: str) -> None:
     with pytest.raises(RanksFailedError) as failed:
         run_ranks(_lose_rank_2, 3, "kill", where, timeout=90)

@@ -14,6 +14,7 @@ on the survivors' group (:meth:`Reducer.recover`).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any, Final
 
 import torch
@@ -517,8 +518,18 @@ class Reducer:
     def _all_reduce(self, tensor: torch.Tensor) -> dist.Work:
         """``dist.all_reduce(tensor, group=self.process_group, async_op=True)``,
         issued on the group itself: a bucket needs none of its checks, and
-        its two Python frames cost each gradient reduction microseconds."""
-        return self.process_group.allreduce([tensor], self._sum_options)
+        its two Python frames cost each gradient reduction microseconds.
+
+        When the Join goes on without a lost rank and already knows of one, the
+        collective is refused at its issue (inside autograd's hook): the refusal
+        is kept for the wait at the end of backward, where the survivors recover.
+        """
+        try:
+            return self.process_group.allreduce([tensor], self._sum_options)
+        except RankLostError as lost:
+            if not self.keeps_copies:
+                raise
+            return _Refused(lost)
 
     def _refill(self, bucket: Bucket) -> None:
         """Write this rank's gradients into ``bucket`` again, as :meth:`_grad_ready` did:
@@ -601,3 +612,14 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from tensors_in(item)
+
+
+class _Refused(dist.Work):
+    """A reduction the group refused at its issue: waiting raises why."""
+
+    def __init__(self, failure: RankLostError) -> None:
+        super().__init__()
+        self.failure = failure
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        raise self.failure
