@@ -422,6 +422,7 @@ LANE_OF: Final = {
     "unit tests: tensorpipe-backend": "runs",
     "integration tests": "runs",
     "unit tests: lightning-join": "runs",
+    "unit tests: rpc-registry": "checks",
 }
 
 
