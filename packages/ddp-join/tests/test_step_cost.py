@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from ddp_join import DistributedDataParallel
@@ -35,3 +36,35 @@ def _setattrs_per_step(rank: int, world_size: int) -> int:
 def test_a_step_sets_no_attribute_through_nn_modules_slow_setattr() -> None:
     # nn.Module.__setattr__ costs about 4 us a call; a step set about 22 through it.
     assert run_ranks(_setattrs_per_step, 2) == [0, 0]
+
+
+def _synchronizing_steps(rank: int, world_size: int) -> str:
+    device = torch.device("cuda", rank)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64) for _ in range(4)]
+    model = DistributedDataParallel(torch.nn.Sequential(*layers).to(device), device_ids=[device])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 64, device=device)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+
+    step()  # the first step allocates and builds what later steps reuse
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return ""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_outside_join_never_makes_the_host_wait_for_the_gpu() -> None:
+    # Reading the reduced metadata back each step cost about 0.6 ms a step on an H200.
+    assert run_ranks(_synchronizing_steps, 1, backend="nccl") == [""]

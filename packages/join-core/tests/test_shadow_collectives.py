@@ -4,6 +4,8 @@ nothing of the interception outlives the context."""
 
 from __future__ import annotations
 
+import _thread
+import os
 import threading
 import time
 import warnings
@@ -15,7 +17,7 @@ import torch.distributed as dist
 from counting_joinable import CountingJoinable
 from torch.distributed import all_reduce as imported_all_reduce
 
-from join_core import CollectiveMismatchError, Join, ShadowCollectives, intercept
+from join_core import CollectiveMismatchError, Join, OwnedCollectives, ShadowCollectives, intercept
 from join_core.testing import RanksFailedError, run_ranks
 
 CARRIES = pytest.mark.parametrize("carries", [False, True], ids=["heartbeat-allreduce", "heartbeat-carried"])
@@ -159,6 +161,38 @@ def test_avg_cannot_be_shadowed_and_says_what_to_use() -> None:
         raise AssertionError(str(error)) from error
     for message in results:
         assert "ReduceOp.AVG" in message and "ReduceOp.SUM" in message
+
+
+# Code that torch's own threads run: compiled under torch's folder, started with
+# _thread so that no frame outside torch is on its stack (as on the thread where
+# autograd runs a CUDA backward, FSDP2's reduce-scatters with ReduceOp.AVG included).
+_TORCH_THREAD_SOURCE = """
+def issue(result):
+    try:
+        tensor = torch.ones(1)
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+        result.append(str(float(tensor)))
+    except Exception as error:
+        result.append(repr(error))
+"""
+
+
+def _owned_from_torchs_own_thread(rank: int, world_size: int) -> str:
+    namespace: dict[str, Any] = {"torch": torch, "dist": dist}
+    filename = os.path.join(os.path.dirname(torch.__file__), "_owned_thread.py")
+    exec(compile(_TORCH_THREAD_SOURCE, filename, "exec"), namespace)
+    result: list[str] = []
+    with Join([CountingJoinable(False), ShadowCollectives()]), OwnedCollectives("Owner"):
+        _thread.start_new_thread(namespace["issue"], (result,))
+        deadline = time.monotonic() + 30
+        while not result and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return result[0] if result else "no result within 30 s"
+
+
+def test_owned_collectives_issued_from_torchs_own_threads_stay_the_owners() -> None:
+    # They were taken for Join's heartbeat, and ReduceOp.AVG refused.
+    assert run_ranks(_owned_from_torchs_own_thread, 2) == ["1.0", "1.0"]
 
 
 def _every_kind(rank: int, world_size: int) -> list[dict[str, list[float]]]:

@@ -330,7 +330,12 @@ class Reducer:
         first_result = first.result()
         meta: list[float] = []
         if self._rides(first):
-            meta = first_result[: first.meta_len].tolist()
+            if self._flags_in_meta or Join.is_active(self.joinable):
+                meta = first_result[: first.meta_len].tolist()
+            else:
+                # Outside a Join every rank trained: the metadata tells nothing new, and
+                # reading it would make the host wait for the GPU every step.
+                self.buffer_src = 0
         elif self._meta_future is not None:
             meta = self._meta_future.wait().tolist()
         divisor = self._divisor(meta)
@@ -349,6 +354,16 @@ class Reducer:
                     bucket.grads.copy_(grads)
                 if scale != 1:
                     bucket.grads.div_(scale)
+            elif builtin and used is None and not (self._distributed or self.keeps_copies):
+                targets = [param.grad for param in bucket.params if param.grad is not None]
+                if len(targets) == len(bucket.params) and all(
+                    grad.layout == torch.strided and grad.dtype == grads.dtype for grad in targets
+                ):
+                    # Two calls for the bucket rather than one per parameter.
+                    if scale != 1:
+                        grads.div_(scale)
+                    torch._foreach_copy_(targets, bucket.views)
+                    continue
             for position, param in enumerate(bucket.params):
                 index = self._param_index[id(param)]
                 if used is not None and not used[index]:
@@ -382,7 +397,7 @@ class Reducer:
         if self.keeps_copies:
             for bucket in self._buckets:
                 bucket.keep_reduced()
-        return meta[0] if self._rides(first) else None
+        return meta[0] if meta and self._rides(first) else None
 
     def _write_captured(
         self, index: int, bucket: Bucket, position: int, grads: torch.Tensor, scale: int, builtin: bool

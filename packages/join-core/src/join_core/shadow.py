@@ -110,7 +110,8 @@ class _Op(NamedTuple):
     reduce_op: Any  # a ReduceOp, or None
     root: int | None  # the source or destination, a rank of the group
     # The caller's code and instruction; (None, 0) for Join's own collectives;
-    # (owner, 0) for those of an OwnedCollectives.
+    # (None, -1) for those of a thread running torch's code alone (autograd's
+    # device threads); (owner, 0) for those of an OwnedCollectives.
     origin: tuple[CodeType | str | None, int]
     options: Any  # the options object it was issued with
     splits: tuple[list[int], list[int]] | None  # an all-to-all's output and input split sizes
@@ -459,11 +460,12 @@ def _spec(tensor: torch.Tensor) -> _Spec:
 
 
 def _origin(frame: FrameType | None) -> tuple[CodeType | None, int]:
-    """The first frame outside torch that issued a collective; (None, 0) for Join's own."""
+    """The first frame outside torch that issued a collective; (None, 0) for Join's
+    own, (None, -1) where the thread runs torch's code alone."""
     while frame is not None and is_torch(frame.f_code):
         frame = frame.f_back
     if frame is None:
-        return (None, 0)
+        return (None, -1)  # on CUDA, autograd runs a backward on a thread of its own
     code = frame.f_code
     # Join's heartbeat comes from one place on a training rank, another on a joined one.
     return (None, 0) if code.co_filename == _JOIN_FILE else (code, frame.f_lasti)
@@ -476,7 +478,7 @@ def _owned(op: _Op) -> bool:
 def _op_of(call: intercept.Call) -> _Op:
     name, method, group, args, kwargs, caller, _ = call
     origin: tuple[CodeType | str | None, int] = _origin(caller)
-    if _owners and origin[0] is not None:  # Join's own heartbeats stay Join's
+    if _owners and (origin[0] is not None or origin[1]):  # Join's own heartbeats stay Join's
         owned = _owners.get(group)
         if owned is not None and (not owned[1] or torch._C._current_graph_task_id() != -1):
             origin = (owned[0], 0)
@@ -514,7 +516,7 @@ def _line(op: _Op) -> tuple[str, int]:
     line number costs more than the rest of recording)."""
     code, offset = op.origin
     if code is None:
-        return ("join", 0)
+        return ("torch", 0) if offset else ("join", 0)
     if isinstance(code, str):
         return (code, 0)
     line = code.co_firstlineno
@@ -625,7 +627,7 @@ def _describe(op: _Op) -> str:
         extra += f", {key}={op.root}"
     file, line = _line(op)
     if op.origin[0] is None:
-        where = "Join's heartbeat"
+        where = "torch's own thread (no caller outside torch)" if op.origin[1] else "Join's heartbeat"
     elif isinstance(op.origin[0], str):
         where = f"{file}'s own collectives"
     else:
