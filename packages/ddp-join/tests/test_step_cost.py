@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -68,3 +69,16 @@ def _synchronizing_steps(rank: int, world_size: int) -> str:
 def test_a_step_outside_join_never_makes_the_host_wait_for_the_gpu() -> None:
     # Reading the reduced metadata back each step cost about 0.6 ms a step on an H200.
     assert run_ranks(_synchronizing_steps, 1, backend="nccl") == [""]
+
+
+def _gradient_hooks_without_distributed_autograd(rank: int, world_size: int) -> tuple[bool, int]:
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    model(torch.ones(3, 4)).sum().backward()
+    loaded = "rpc_registry.autograd" in sys.modules
+    return loaded, sum(len(param._backward_hooks or {}) for param in model.parameters())
+
+
+def test_a_step_runs_no_per_gradient_hook_for_distributed_autograd_unless_it_is_loaded() -> None:
+    # Such a hook (a Python call per gradient, every backward) serves only a
+    # distributed autograd backward, which cannot run before rpc-registry's is imported.
+    assert run_ranks(_gradient_hooks_without_distributed_autograd, 2) == [(False, 0), (False, 0)]

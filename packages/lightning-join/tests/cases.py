@@ -21,6 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_join import JoinDDPStrategy
 
 BASELINE: Final = os.environ.get("LIGHTNING_JOIN_BASELINE") == "1"
+# LIGHTNING_JOIN_DEVICE=cuda runs every rank on the one GPU (cuda:0) over gloo:
+# each rank is then a node of one device, as Lightning maps ranks to devices.
+DEVICE: Final = os.environ.get("LIGHTNING_JOIN_DEVICE", "cpu")
 FEATURES: Final = 4
 CLASSES: Final = 3
 
@@ -29,8 +32,8 @@ def lightning_env(rank: int, world_size: int) -> None:
     """What Lightning reads to know that this process is rank ``rank`` of an
     already started job (the process group is initialised by run_ranks)."""
     os.environ.update(
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
+        LOCAL_RANK="0" if DEVICE == "cuda" else str(rank),
+        NODE_RANK=str(rank) if DEVICE == "cuda" else "0",
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
@@ -47,11 +50,17 @@ def strategy(**kwargs: Any) -> Strategy:
     return JoinDDPStrategy(**kwargs)
 
 
+def placement(world_size: int) -> dict[str, Any]:
+    """The accelerator, devices and nodes of a Trainer or Fabric over ``world_size`` ranks."""
+    if DEVICE == "cuda":
+        return {"accelerator": "cuda", "devices": 1, "num_nodes": world_size}
+    return {"accelerator": "cpu", "devices": world_size}
+
+
 def trainer(world_size: int, root: str | None = None, **kwargs: Any) -> pl.Trainer:
-    """A quiet CPU Trainer over ``world_size`` ranks with the strategy under test."""
+    """A quiet Trainer over ``world_size`` ranks with the strategy under test."""
     options: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=world_size,
+        **placement(world_size),
         strategy=strategy(exact_eval=True),
         use_distributed_sampler=False,
         logger=False,

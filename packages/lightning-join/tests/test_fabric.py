@@ -19,7 +19,7 @@ BASE, EXTRA = 2, 2  # rank r has BASE + r * EXTRA batches
 def _train(rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], float]:
     cases.lightning_env(rank, world_size)
     strategy = cases.DDPStrategyFabric() if cases.BASELINE else JoinDDPStrategy()
-    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric = Fabric(**cases.placement(world_size), strategy=strategy)
     fabric.launch()
     module = cases.Regression()
     model, optimizer = fabric.setup(module, module.configure_optimizers())

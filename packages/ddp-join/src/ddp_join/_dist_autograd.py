@@ -21,3 +21,8 @@ def distributed_backward_running() -> bool:
     module = sys.modules.get(_MODULE)
     probe = getattr(module, "running_backward", None)
     return callable(probe) and probe() is not None
+
+
+def distributed_autograd_loaded() -> bool:
+    """Whether rpc-registry's distributed autograd is imported (none can run before)."""
+    return _MODULE in sys.modules

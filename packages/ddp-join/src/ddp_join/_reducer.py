@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from ddp_join._bucket import Bucket, aligned, group_parameters
-from ddp_join._dist_autograd import distributed_backward_running
+from ddp_join._dist_autograd import distributed_autograd_loaded, distributed_backward_running
 from ddp_join._groups import global_rank
 from ddp_join.comm_hooks import CommHook, GradBucket
 from join_core import Join, Joinable, RankLostError, Recovery
@@ -91,7 +91,9 @@ class Reducer:
         self._hook_handles = [
             param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
             for index, param in enumerate(self._params)
-        ] + [param.register_hook(self._make_capture_hook(index)) for index, param in enumerate(self._params)]
+        ]
+        # Added once distributed autograd is loaded: a hook per gradient costs every backward.
+        self._captures = False
         self.reset_iteration()
 
     def _make_buckets(self, caps: list[int], gradient_as_bucket_view: bool) -> list[Bucket]:
@@ -129,6 +131,12 @@ class Reducer:
         """Forget the iteration in progress; ``opening``: a synchronizing
         forward starts the next one, whose backward reduces."""
         self._open = opening
+        if opening and not self._captures and distributed_autograd_loaded():
+            self._captures = True
+            self._hook_handles += [
+                param.register_hook(self._make_capture_hook(index))
+                for index, param in enumerate(self._params)
+            ]
         self._callback_queued = False
         self._next_launch = 0
         self._meta_future: torch.futures.Future[torch.Tensor] | None = None
