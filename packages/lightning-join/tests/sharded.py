@@ -8,6 +8,7 @@ from typing import Any, Final
 import cases
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -67,11 +68,18 @@ class ShardedRegression(pl.LightningModule):
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with every DTensor gathered whole."""
-    return {
-        key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-        for key, value in model.state_dict().items()
-    }
+    """The model's state dict on the CPU, every DTensor gathered whole.
+
+    The shards travel as objects: torch 2.11's ``DTensor.full_tensor()`` (a
+    functional all-gather) crashes on CUDA tensors over gloo."""
+    state = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            shards: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(shards, value.to_local().detach().cpu())
+            value = torch.cat(shards)  # fully_shard splits dim 0 as torch.chunk does
+        state[key] = value.detach().cpu().clone()
+    return state
 
 
 def reference(

@@ -34,7 +34,7 @@ def _fit(rank: int, world_size: int, root: str) -> dict[str, object]:
         "best": checkpoint.best_model_path,
         "last": checkpoint.last_model_path,
         "stopped_epoch": stopping.stopped_epoch,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
     }
 
 
@@ -46,7 +46,7 @@ def test_checkpoints_and_early_stopping_agree_on_every_rank() -> None:
         first = results[0]
         assert first["stopped_epoch"] == 1 and first["epoch"] == 2  # stopped early, after two epochs
         assert first["global_step"] == 2 * 4  # the longest rank's steps, on every rank
-        last = torch.load(str(first["last"]), weights_only=False)
+        last = torch.load(str(first["last"]), weights_only=False, map_location="cpu")
         assert last["global_step"] == first["global_step"]
         state = first["state"]
         assert isinstance(state, dict)

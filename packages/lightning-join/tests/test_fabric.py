@@ -27,13 +27,13 @@ def _train(rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], float]:
     with join(fabric) if not cases.BASELINE else torch.enable_grad():
         for x, y in cases.regression_batches(rank, BASE + rank * EXTRA):
             optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss = torch.nn.functional.mse_loss(model(x.to(fabric.device)), y.to(fabric.device))
             fabric.backward(loss)
             optimizer.step()
             reduced = fabric.all_reduce(loss.detach(), reduce_op="mean")
             assert isinstance(reduced, torch.Tensor)
             losses.append(reduced)
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}, float(losses[-1])
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}, float(losses[-1])
 
 
 def _reference() -> tuple[dict[str, torch.Tensor], float]:
