@@ -362,12 +362,19 @@ class Reducer:
                     bucket.grads.copy_(grads)
                 if scale != 1:
                     bucket.grads.div_(scale)
-            elif builtin and used is None and not (self._distributed or self.keeps_copies):
+            elif (
+                builtin
+                and used is None
+                and grads.device.type != "cpu"
+                and not (self._distributed or self.keeps_copies)
+            ):
                 targets = [param.grad for param in bucket.params if param.grad is not None]
                 if len(targets) == len(bucket.params) and all(
                     grad.layout == torch.strided and grad.dtype == grads.dtype for grad in targets
                 ):
-                    # Two calls for the bucket rather than one per parameter.
+                    # On an accelerator, where each call launches a kernel: two calls for the
+                    # bucket rather than one per parameter (on the CPU, one pass over the
+                    # memory, dividing into .grad, costs less than two).
                     if scale != 1:
                         grads.div_(scale)
                     torch._foreach_copy_(targets, bucket.views)
