@@ -19,7 +19,13 @@ from ddp_cases import batch, flat_params, loss_fn, make_model, reference
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from ddp_join import DistributedDataParallel, FSDPJoinable, UnevenDistributedSampler, ZeroRedundancyOptimizer
+from ddp_join import (
+    DistributedDataParallel,
+    FSDPJoinable,
+    UnevenDistributedSampler,
+    ZeroRedundancyOptimizer,
+    allreduce_hook,
+)
 from join_core import Join, RankLostError, RankRemovedError, spare_connections
 from join_core.testing import RanksFailedError, run_ranks
 
@@ -36,11 +42,15 @@ def _pids(rank: int, world_size: int) -> list[int]:
     return [int(pid) for pid in pids]
 
 
-def _lose_rank_2(rank: int, world_size: int, how: str, where: str) -> str:
-    """Train STEPS iterations; rank 2 is lost in iteration LOST_AT at ``where``.
-    Survivors check their parameters against the reference and the Join's record."""
+def _lose_rank_2(rank: int, world_size: int, how: str, where: str, hook: bool = False) -> str:
+    """Train STEPS iterations; rank 2 is lost in iteration LOST_AT at ``where``
+    (``hook``: the gradients reduced by a communication hook, the metadata in
+    an all-reduce of its own). Survivors check their parameters against the
+    reference and the Join's record."""
     pids = _pids(rank, world_size)
     model = DistributedDataParallel(make_model(), bucket_cap_mb=TINY_BUCKETS_MB)
+    if hook:
+        model.register_comm_hook(None, allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     lose = signal.SIGSTOP if how == "freeze" else signal.SIGKILL
 
@@ -96,6 +106,13 @@ def test_survivors_of_a_killed_rank_finish_exactly(where: str) -> None:
     with pytest.raises(RanksFailedError) as failed:
         run_ranks(_lose_rank_2, 3, "kill", where, timeout=90)
     assert list(failed.value.failures) == [2], str(failed.value)  # the survivors' checks passed
+    assert "exited with code -9" in failed.value.failures[2]
+
+
+def test_survivors_of_a_rank_killed_between_buckets_finish_exactly_with_a_communication_hook() -> None:
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_lose_rank_2, 3, "kill", "between-buckets", True, timeout=90)
+    assert list(failed.value.failures) == [2], str(failed.value)
     assert "exited with code -9" in failed.value.failures[2]
 
 
