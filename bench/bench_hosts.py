@@ -1,11 +1,13 @@
-"""64 MiB echo between two "hosts": two network namespaces joined by a veth pair (root only).
+"""Two "hosts": two network namespaces joined by a veth pair (root only): a 64 MiB echo and a DDP step.
 
     PYTHONPATH=packages/join-core/src:packages/rpc-registry/src:packages/tensorpipe-backend/src:bench \
         python bench/bench_hosts.py [--rounds N] [--quick]
 
 Makes the namespaces ``tpb-bench-a-<pid>`` and ``tpb-bench-b-<pid>`` with
 ``ip netns``, a veth pair between them (10.213.<n>.1 and .2, nothing else
-routed) and runs one worker in each, ours and torch's alternating per round.
+routed) and runs one worker in each, ours and torch's alternating per round;
+then one DDP rank in each (gloo over the veth pair), timing our DDP step and
+torch's on the MLP of the DDP figures in the same two processes.
 The namespaces are deleted afterwards, also after an error, Ctrl-C or
 SIGTERM. Traffic is TCP only: abstract Unix sockets do not cross network
 namespaces and our agent shares memory only with a peer of the same
@@ -112,6 +114,48 @@ def _worker(rank: int, kind: str, host: str, port: int, interface: str, echoes: 
     return out
 
 
+def _ddp_worker(rank: int, host: str, port: int, interface: str, steps: int, rounds: int) -> dict[str, float]:
+    """One DDP rank in its namespace: ms per step of ours and torch's, medians of ``rounds``."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from ddp_join import DistributedDataParallel
+
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=2)
+
+    def mlp() -> torch.nn.Module:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(1024, 10))
+
+    models: dict[str, Any] = {"ours": DistributedDataParallel(mlp()), "torch": TorchDDP(mlp())}
+    optimizers = {kind: torch.optim.SGD(model.parameters(), lr=0.01) for kind, model in models.items()}
+    data = torch.randn(32, 256)
+
+    def seconds_per_step(kind: str, count: int) -> float:
+        model, optimizer = models[kind], optimizers[kind]
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(count):
+            optimizer.zero_grad()
+            model(data).pow(2).mean().backward()
+            optimizer.step()
+        dist.barrier()
+        return (time.perf_counter() - start) / count
+
+    for kind in models:
+        seconds_per_step(kind, 5)  # warm-up
+    times: dict[str, list[float]] = {"ours": [], "torch": []}
+    for round_ in range(rounds):
+        for kind in ("ours", "torch") if round_ % 2 == 0 else ("torch", "ours"):
+            times[kind].append(seconds_per_step(kind, steps))
+    dist.destroy_process_group()
+    return {kind: statistics.median(values) * 1e3 for kind, values in times.items()}
+
+
 def _free_port(namespace: str) -> int:
     # Any port works: nothing else listens in a fresh namespace.
     del namespace
@@ -122,13 +166,23 @@ def _free_port(namespace: str) -> int:
 
 
 def _pair(kind: str, a: tuple[str, str, str], b: tuple[str, str, str], echoes: int) -> float:
+    result = _run_pair(
+        "--worker", a, b, lambda rank, interface, port: [rank, kind, a[2], port, interface, echoes]
+    )
+    return result["echo_gb_s"]
+
+
+def _run_pair(
+    mode: str, a: tuple[str, str, str], b: tuple[str, str, str], arguments: Any
+) -> dict[str, float]:
+    """Run this script with ``mode`` in each namespace (rank 0 in ``a``); rank 0's result."""
     port = _free_port(a[0])
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     procs = []
     for rank, (namespace, interface, _) in enumerate((a, b)):
         command = [
-            "ip", "netns", "exec", namespace, sys.executable, str(Path(__file__)), "--worker",
-            json.dumps([rank, kind, a[2], port, interface, echoes]),
+            "ip", "netns", "exec", namespace, sys.executable, str(Path(__file__)), mode,
+            json.dumps(arguments(rank, interface, port)),
         ]  # fmt: skip
         procs.append(subprocess.Popen(command, env=env, cwd=_ROOT, stdout=subprocess.PIPE, text=True))
     try:
@@ -139,9 +193,11 @@ def _pair(kind: str, a: tuple[str, str, str], b: tuple[str, str, str], echoes: i
                 proc.kill()
                 proc.wait()
     if any(proc.returncode != 0 for proc in procs):
-        raise RuntimeError(f"{kind}: a worker failed (exit codes {[p.returncode for p in procs]})")
+        raise RuntimeError(
+            f"{mode} {arguments(0, a[1], port)}: a worker failed (exit codes {[p.returncode for p in procs]})"
+        )
     result: dict[str, float] = json.loads(outputs[0].strip().splitlines()[-1])
-    return result["echo_gb_s"]
+    return result
 
 
 def two_host_figures(rounds: int, quick: bool) -> list[Figure]:
@@ -153,6 +209,10 @@ def two_host_figures(rounds: int, quick: bool) -> list[Figure]:
         for round_ in range(rounds):
             for kind in ("ours", "torch") if round_ % 2 == 0 else ("torch", "ours"):
                 samples[kind].append(_pair(kind, a, b, 3 if quick else 10))
+        steps = (10, 3) if quick else (30, 2 * rounds)
+        ddp = _run_pair(
+            "--ddp-worker", a, b, lambda rank, interface, port: [rank, a[2], port, interface, *steps]
+        )
     ours, theirs = statistics.median(samples["ours"]), statistics.median(samples["torch"])
     return [
         Figure(
@@ -163,7 +223,16 @@ def two_host_figures(rounds: int, quick: bool) -> list[Figure]:
             ">= 1.5x",
             ours / theirs,
             ours >= 1.5 * theirs,
-        )
+        ),
+        Figure(
+            "DDP step, MLP, batch 32, one rank on each of two hosts (netns + veth, gloo)",
+            "ms/step",
+            ddp["ours"],
+            ddp["torch"],
+            ">= 1.0x",
+            ddp["torch"] / ddp["ours"],
+            ddp["ours"] <= ddp["torch"],
+        ),
     ]
 
 
@@ -172,9 +241,13 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     parser.add_argument("--quick", action="store_true", help="fewer echoes per round")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--ddp-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(_worker(*json.loads(args.worker))))
+        return 0
+    if args.ddp_worker:
+        print(json.dumps(_ddp_worker(*json.loads(args.ddp_worker))))
         return 0
     for f in two_host_figures(args.rounds, args.quick):
         print(f)
