@@ -40,7 +40,7 @@ def write_results(figures: list[Figure], rounds: int, out: Path, load: list[str]
     for f in figures:
         if f.ratio != f.ratio:  # NaN: the reference could not run
             ratio = "-"
-        elif f.goal.endswith("x") or f.goal in ("<= torch", "(context)"):
+        elif f.goal.endswith("x") or f.goal in ("<= torch", "(context)", "(floor)"):
             ratio = f"{f.ratio:.2f}x"
         else:
             ratio = f"{f.ratio:+.1f}"

@@ -17,7 +17,9 @@ socket round trip in the same processes, a parameter server (8 trainers, and
 1 trainer for context).
 ``--scale`` adds 24 RPC workers on one host (bench/bench_scale.py) and
 ``--two-hosts`` a 64 MiB echo between two network namespaces (root;
-bench/bench_hosts.py). ``uptime`` before and after goes in the results.
+bench/bench_hosts.py). ``--only framing-c`` runs an experiment: rpc_sync
+with the framing of small frames compiled from C (bench/bench_framing_c.py).
+``uptime`` before and after goes in the results.
 
 ``--peers`` runs instead the RPC workloads on ours, torch's RPC, Ray actors
 and Monarch actors, each in an environment of its own (bench/peers/),
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from bench_continue import continue_figures
+from bench_framing_c import framing_c_figures
 from bench_fsdp import fsdp_figures
 from bench_hosts import two_host_figures
 from bench_lightning import lightning_figures
@@ -328,6 +331,7 @@ SECTIONS: dict[str, Callable[[int, bool], list[Figure]]] = {
     "ps": ps_figures,
     "scale": lambda rounds, quick: scale_figures(),
     "two-hosts": two_host_figures,
+    "framing-c": framing_c_figures,
 }
 
 
@@ -358,7 +362,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--only",
-        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all but scale, two-hosts)",
+        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all but scale, two-hosts, framing-c)",
     )
     parser.add_argument(
         "--peers",
