@@ -233,9 +233,15 @@ def ps_update(grad: torch.Tensor) -> torch.Tensor:
         return _ps_param[0].clone()
 
 
-def _parameter_server(rank: int, world_size: int, kind: str, port: int, calls: int) -> float:
+def _parameter_server(
+    rank: int, world_size: int, kind: str, port: int, calls: int, own_session: bool = False
+) -> float:
     """Rank 0 serves, the others each make ``calls`` ``rpc_sync(ps_update, 1 MiB)``; rank 0
-    returns the calls per second of all trainers together."""
+    returns the calls per second of all trainers together. With ``own_session`` each rank
+    starts a session of its own first, as torchrun starts its workers (where the kernel's
+    autogroup scheduling is on, each session is then scheduled as a group of its own)."""
+    if own_session:
+        os.setsid()
     init_method = f"tcp://127.0.0.1:{port}"
     api: Any
     if kind == "torch":
@@ -267,21 +273,26 @@ def _parameter_server(rank: int, world_size: int, kind: str, port: int, calls: i
 
 
 def ps_figures(rounds: int, quick: bool) -> list[Figure]:
-    """Parameter server: 8 trainers rpc_sync 1 MiB tensors to one server; calls/s, ours vs torch.
-    Also 1 trainer, the same calls with no other process contending for the cores (no goal)."""
+    """Parameter server: 8 trainers rpc_sync 1 MiB tensors to one server; calls/s, ours vs torch,
+    with the ranks in the session of the benchmark (as ``mp.spawn`` starts them) and each in a
+    session of its own (as torchrun does). Also 1 trainer, the same calls with no other process
+    contending for the cores (no goal)."""
     calls = 50 if quick else 200
     figures = []
-    for trainers in (_PS_TRAINERS, 1):
+    for trainers, own_session in ((_PS_TRAINERS, False), (_PS_TRAINERS, True), (1, False)):
         samples: dict[str, list[float]] = {"ours": [], "torch": []}
         for round_ in range(rounds):
             for kind in ("ours", "torch") if round_ % 2 == 0 else ("torch", "ours"):
-                rate = run_ranks(_parameter_server, trainers + 1, kind, _free_port(), calls, timeout=600)[0]
+                rate = run_ranks(
+                    _parameter_server, trainers + 1, kind, _free_port(), calls, own_session, timeout=600
+                )[0]
                 samples[kind].append(rate)
         ours, theirs = statistics.median(samples["ours"]), statistics.median(samples["torch"])
         goal, met = (">= 2x", ours >= 2 * theirs) if trainers == _PS_TRAINERS else ("(context)", True)
+        sessions = ", each rank a session of its own (as torchrun starts them)" if own_session else ""
         figures.append(
             Figure(
-                f"parameter server: {trainers} trainer{'s' if trainers > 1 else ''}, rpc_sync {_PS_MIB} MiB to one server",
+                f"parameter server: {trainers} trainer{'s' if trainers > 1 else ''}, rpc_sync {_PS_MIB} MiB to one server{sessions}",
                 "calls/s",
                 ours,
                 theirs,

@@ -13,8 +13,9 @@ against DDPStrategy) from bench/bench_lightning.py.
 
 The second round's figures are measured against limits: our DDP step over
 the same step with no communication, DDP at 4 ranks, rpc_sync against a raw
-socket round trip in the same processes, a parameter server (8 trainers, and
-1 trainer for context).
+socket round trip in the same processes, a parameter server (8 trainers, with
+the ranks in the benchmark's session and each in a session of its own as
+torchrun starts them, and 1 trainer for context).
 ``--scale`` adds 24 RPC workers on one host (bench/bench_scale.py) and
 ``--two-hosts`` a 64 MiB echo between two network namespaces (root;
 bench/bench_hosts.py). ``--only framing-c`` runs an experiment: rpc_sync
