@@ -12,16 +12,13 @@ summaries ride the store)."""
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from benchlib import Figure
+from benchlib import Figure, cost_script_runs
 from torch.profiler import ProfilerActivity, profile
 
 import join_core
@@ -90,21 +87,11 @@ for pair in range(20):
 print(json.dumps({"added": statistics.median(added), "collectives": statistics.median(counts)}))
 """
 
-_COST_PROCESSES = 3
-
 
 def _cost_per_collective() -> float:
     """Seconds the recorder adds to one collective of our DDP's backward (the median of three processes)."""
-    costs = []
-    for _ in range(_COST_PROCESSES):
-        done = subprocess.run(
-            [sys.executable, "-c", _COST_SCRIPT], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"the recorder's cost could not be measured:\n{done.stderr}")
-        found = json.loads(done.stdout.splitlines()[-1])
-        costs.append(float(found["added"]) / float(found["collectives"]))
-    return statistics.median(costs)
+    runs = cost_script_runs(_COST_SCRIPT, "the recorder's cost")
+    return statistics.median(run["added"] / run["collectives"] for run in runs)
 
 
 def _overhead(rank: int, world_size: int, name: str, pairs: int, steps: int) -> dict[str, list[float]]:

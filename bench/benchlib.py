@@ -3,13 +3,16 @@ results table and plot they write."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["Figure", "write_results"]
+__all__ = ["Figure", "cost_script_runs", "write_results"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +83,16 @@ def _plot(figures: list[Figure], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def cost_script_runs(script: str, what: str, processes: int = 3) -> list[dict[str, float]]:
+    """Run ``script`` (Python that prints one JSON object on its last line) in ``processes``
+    fresh interpreters, one after another; their objects. ``what`` names the measure in the
+    error raised when a run fails."""
+    found = []
+    for _ in range(processes):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{what} could not be measured:\n{done.stderr}")
+        found.append(json.loads(done.stdout.splitlines()[-1]))
+    return found
