@@ -1,4 +1,5 @@
-"""Bytes from a stranger on a worker's ports never disturb the calls of authenticated peers."""
+"""Bytes from a stranger on a worker's ports (and on the rendezvous store's) never disturb the calls
+of authenticated peers."""
 
 from __future__ import annotations
 

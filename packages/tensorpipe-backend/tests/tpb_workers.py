@@ -641,12 +641,15 @@ def _garbage() -> list[bytes]:
 _kept: list[socket.socket] = []
 
 
-def send_garbage(addresses: tuple[tuple[str, int], bytes], connections: int = 48) -> int:
-    """Open ``connections`` connections to a worker's TCP port and Unix socket, send garbage on each
-    and keep them open; how many were opened."""
+def send_garbage(addresses: tuple[tuple[str, int], bytes], connections: int = 48, store_port: int = 0) -> int:
+    """Open ``connections`` connections to a worker's TCP port and Unix socket (and to the
+    rendezvous store's port, if given), send garbage on each and keep them open; how many were
+    opened."""
     (host, port), local = addresses
     for i in range(connections):
-        if i % 2 and local:
+        if i % 3 == 2 and store_port:
+            sock = socket.create_connection(("127.0.0.1", store_port), timeout=5)
+        elif i % 2 and local:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.connect(local)
         else:
@@ -675,7 +678,11 @@ def garbage_then_call(
     send_garbage(rpc_sync("w1", listening_addresses))
     for _ in range(10):
         outcomes.append(_error_text(lambda: rpc_sync("w1", ask_whoami, args=("w0",))))
-    outcomes.append(_error_text(lambda: rpc_sync("w1", send_garbage, args=(listening_addresses(),))))
+    # w1 floods this worker's ports and the store this worker hosts.
+    store_port = int(init_method.rsplit(":", 1)[1])
+    outcomes.append(
+        _error_text(lambda: rpc_sync("w1", send_garbage, args=(listening_addresses(), 48, store_port)))
+    )
     for _ in range(10):
         outcomes.append(_error_text(lambda: rpc_sync("w1", ask_whoami, args=("w0",))))
         outcomes.append(_error_text(lambda: rpc_sync("w1", whoami)))
