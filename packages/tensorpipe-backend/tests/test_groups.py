@@ -23,6 +23,7 @@ from tpb_workers import (
     free_port,
     init_reporting_error,
     init_then_shut_down,
+    look_up_a_record_removed_meanwhile,
     options,
     spawned,
     whoami,
@@ -113,3 +114,14 @@ def test_called_functions_can_use_rpc_right_after_init() -> None:
         reports = dict(results.get(timeout=40) for _ in range(3))
     assert reports == {"a0": "a2", "a1": "a0", "a2": "a1"}
     assert [w.exitcode for w in workers] == [0, 0, 0]
+
+
+def test_a_record_taken_out_of_the_store_while_looked_up_never_stalls_the_lookup() -> None:
+    """A peer may delete a worker's record (it left, or was judged lost) between two reads of
+    the store: the lookup ends at once, found or not, instead of waiting out the store's timeout."""
+    results = CONTEXT.Queue()
+    target = (look_up_a_record_removed_meanwhile, (f"tcp://127.0.0.1:{free_port()}", results))
+    with spawned([target], timeout=50):
+        outcome, seconds = results.get(timeout=50)
+    assert seconds < 2.0, (outcome, seconds)
+    assert outcome == "no error" or "could not find destination" in outcome, outcome

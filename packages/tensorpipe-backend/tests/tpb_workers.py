@@ -693,6 +693,58 @@ def garbage_then_call(
     shutdown(graceful=False)
 
 
+class _RemovedOnFirstLook:
+    """A store in which ``key`` is deleted right after this worker first looks at it, as when a
+    peer takes a lost worker out of the dynamic group at that moment."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self._store, self._key, self._looked = store, key, False
+
+    def _looked_at(self, keys: Sequence[str]) -> None:
+        if self._key in keys and not self._looked:
+            self._looked = True
+            self._store.delete_key(self._key)
+
+    def check(self, keys: list[str]) -> bool:
+        found: bool = self._store.check(keys)
+        self._looked_at(keys)
+        return found
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        value: bytes = self._store.compare_set(key, expected, desired)
+        self._looked_at([key])
+        return value
+
+    def get(self, key: str) -> bytes:
+        value: bytes = self._store.get(key)
+        self._looked_at([key])
+        return value
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def look_up_a_record_removed_meanwhile(init_method: str, results: Any) -> None:
+    """The one worker of a dynamic group looks up ``ghost``, whose record a peer deletes from the
+    store right after this worker first looks at it; reports what ``get_worker_info`` gave and how
+    long it took."""
+    import dataclasses
+
+    from tensorpipe_backend.group import WorkerRecord, record_key
+
+    init_rpc("a", backend(), 0, None, options(init_method))
+    agent: Any = get_current_agent()  # its store is replaced for a moment
+    store = agent._store
+    mine = WorkerRecord.from_json(store.get(record_key("a")))
+    store.set(record_key("ghost"), dataclasses.replace(mine, name="ghost", rank=7).to_json())
+    agent._store = _RemovedOnFirstLook(store, record_key("ghost"))
+    start = time.monotonic()
+    outcome = _error_text(lambda: agent.get_worker_info("ghost"))
+    results.put((outcome, time.monotonic() - start))
+    agent._store = store
+    shutdown(graceful=False)
+
+
 # Lost workers: one of the group killed (SIGKILL) or frozen (SIGSTOP) by the test.
 class _Warnings(logging.Handler):
     """Keeps the text of every warning the agent logs."""

@@ -66,6 +66,7 @@ from .group import (
     members,
     membership_token,
     publish_signed_record,
+    read_record,
     record_key,
     remove_lost_member,
     report_failure,
@@ -363,11 +364,10 @@ class TensorPipeAgent:
             record = self._records.get(name)
         if record is not None:
             return record
-        key = record_key(name)
         try:
-            if not self._store.check([key]):
+            record = read_record(self._store, name)
+            if record is None:
                 return None
-            record = WorkerRecord.from_json(self._store.get(key))
         except RuntimeError:  # the store is unreachable (its host may be lost)
             if name in self._left:
                 return None  # it left or was lost: so it stays

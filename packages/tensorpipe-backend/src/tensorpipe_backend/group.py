@@ -31,6 +31,7 @@ __all__ = [
     "WorkerRecord",
     "gather_signed_records",
     "raise_if_failed",
+    "read_record",
     "report_failure",
     "members",
     "membership_token",
@@ -54,6 +55,19 @@ _UNLIMITED: Final = 3600.0 * 24
 def record_key(name: str) -> str:
     """Store key of worker ``name``'s record."""
     return f"{_PREFIX}/worker/{name}"
+
+
+_ABSENT: Final = "\0absent"
+
+
+def read_record(store: Store, name: str) -> WorkerRecord | None:
+    """Worker ``name``'s record in ``store``, or ``None`` if it has none: one read that never
+    waits. (``check`` then ``get`` would wait out the store's timeout for a record that a peer
+    deletes in between: a worker that left, or one judged lost.)"""
+    # compare_set with an expected value no record has: the value if the key is there, else the
+    # expected value, and nothing written either way.
+    value = store.compare_set(record_key(name), _ABSENT, _ABSENT)
+    return None if value == _ABSENT.encode() else WorkerRecord.from_json(value)
 
 
 @dataclass(frozen=True)
@@ -282,7 +296,7 @@ def remove_lost_member(
                 f"{me} is no longer a member of the group (its peers judged it lost); it does not "
                 f"remove {record.name}"
             )
-        current = WorkerRecord.from_json(store.get(key)) if store.check([key]) else None
+        current = read_record(store, record.name)
         if current is not None and current != record:
             return False  # the name is another worker's now
         if record.name in names:
