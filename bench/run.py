@@ -180,7 +180,7 @@ def steps(n, join):
         return loop(n)
 steps(50, False); steps(50, True)
 added = []
-for pair in range(20):
+for pair in range(40):
     times = {}
     for join in ((True, False) if pair % 2 == 0 else (False, True)):
         times[join] = steps(300, join)
