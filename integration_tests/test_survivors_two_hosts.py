@@ -62,13 +62,23 @@ def _agents(a: Host, b: Host, args: list[str]) -> list[subprocess.Popen[str]]:
     return agents
 
 
-def _stop(agents: list[subprocess.Popen[str]]) -> None:
+def _stop(agents: list[subprocess.Popen[str]], marker: Path) -> None:
+    """Kill the agents' sessions, then their workers, which torch's launcher starts in sessions of
+    their own (a killed agent leaves them running): every process whose command line names
+    ``marker``, the test's own folder."""
     for agent in agents:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(agent.pid, signal.SIGKILL)
         agent.wait()
         if agent.stdout is not None:
             agent.stdout.close()
+    needle = str(marker).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def _check(result_dir: Path, survivors: list[int], lost: dict[int, int]) -> None:
@@ -93,7 +103,7 @@ def test_survivors_on_both_hosts_finish_the_epoch_exactly(tmp_path: Path) -> Non
         try:
             outputs = [agent.communicate(timeout=180)[0] for agent in agents]
         finally:
-            _stop(agents)
+            _stop(agents, tmp_path)
     for agent, output in zip(agents, outputs):
         assert agent.returncode == 0, output
     _check(tmp_path, [0, 1, 2], {3: 4})
@@ -115,7 +125,7 @@ def test_the_survivors_of_a_host_cut_off_finish_the_epoch_exactly(tmp_path: Path
             subprocess.run(["ip", "-n", b[0], "link", "set", b[1], "down"], check=True)  # host b is cut off
             output = agents[0].communicate(timeout=120)[0]
         finally:
-            _stop(agents)
+            _stop(agents, tmp_path)
     assert agents[0].returncode == 0, output
     with open(tmp_path / "rank0.pkl", "rb") as f:
         lost = {rank: len(batches) for rank, batches in pickle.load(f)["lost"].items()}
