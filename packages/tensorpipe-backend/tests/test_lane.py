@@ -91,6 +91,8 @@ def pair() -> Iterator[tuple[Connection, Connection]]:
         assert end.lane.claim()
         end.lane.attach(sock)
     yield ends
+    for end in ends:
+        end.outbox.close()
     for sock in (*main, *lane):
         sock.close()
 

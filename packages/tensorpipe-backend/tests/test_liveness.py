@@ -32,6 +32,7 @@ def pair() -> Iterator[tuple[Connection, socket.socket]]:
     mine, theirs = socket.socketpair()
     conn = Connection(WorkerInfo("p", 1), mine)
     yield conn, theirs
+    conn.outbox.close()
     mine.close()
     theirs.close()
 

@@ -33,6 +33,7 @@ from tpb_workers import (
     ask_back,
     async_double,
     describe,
+    echo_flood,
     flood,
     free_port,
     nested_add_one,
@@ -276,6 +277,15 @@ def test_signals_that_raise_during_sync_calls_lose_no_incoming_call() -> None:
     while get_current_agent()._active() and time.monotonic() < deadline:
         time.sleep(0.01)  # late replies of interrupted calls arrive and are dropped
     assert get_current_agent()._active() == 0
+
+
+def test_two_workers_flooding_each_other_with_calls_never_deadlock() -> None:
+    # Each side's reader answers the other's calls while both sockets' buffers are full: a reader
+    # that waited to send its reply would stop reading, and so would the peer's.
+    crossing = rpc_async("w1", echo_flood, args=("w0", 64, 60_000), timeout=40)
+    assert echo_flood("w1", 64, 60_000) == 64
+    assert crossing.wait() == 64
+    assert rpc_sync("w1", sleep_then, args=(0.0, 3), timeout=5) == 3
 
 
 def test_calls_from_one_worker_are_handled_in_order() -> None:

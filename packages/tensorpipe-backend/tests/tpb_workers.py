@@ -434,6 +434,18 @@ def flood(via: str, count: int) -> list[int | str]:
     return [_outcome(future) for future in futures]
 
 
+def echo(value: bytes) -> bytes:
+    """Return ``value``."""
+    return value
+
+
+def echo_flood(via: str, count: int, size: int) -> int:
+    """Send ``via`` ``count`` echo calls of ``size`` bytes each, all at once; how many came back whole."""
+    blob = bytes(range(256)) * (size // 256)
+    futures = [rpc_async(via, echo, args=(blob,), timeout=20) for _ in range(count)]
+    return sum(future.wait() == blob for future in futures)
+
+
 def _outcome(future: Future[int]) -> int | str:
     try:
         return future.wait()

@@ -162,7 +162,7 @@ class TensorPipeAgent:
         self._rounds: GroupRounds | None = None
         self._calls = calls = Calls(name, lock, self._cond)
         self._watch = watch = Watch()
-        self._requests = requests = Requests(name, lock, calls, self._pool, self._reverse_map, watch)
+        self._requests = Requests(name, lock, calls, self._pool, self._reverse_map, watch)
         self._readers = Readers(
             name,
             self._cuda_count,
@@ -170,7 +170,6 @@ class TensorPipeAgent:
             self._dispatch,
             self._drop,
             self._spawn,
-            requests.submit,
             self._connections,
             watch,
         )
@@ -633,13 +632,13 @@ class TensorPipeAgent:
     ) -> None:
         if kind is Kind.REQUEST:
             if error is not None:
-                conn.write(Kind.ERROR, msg_id, error.encode(), [])
+                conn.post(Kind.ERROR, msg_id, error.encode())
                 return
             self._requests.enqueue(conn, msg_id, Message(payload, tensors))
         elif kind is Kind.REPLY or kind is Kind.ERROR:
             self._calls.answer(conn, kind, msg_id, payload, tensors, error)
         elif kind is Kind.PING:
-            conn.write(Kind.PONG, msg_id, b"", [])
+            conn.post(Kind.PONG, msg_id, b"")
         elif kind is Kind.PONG:
             with self._lock:
                 event = self._pings.pop(msg_id, None)

@@ -18,6 +18,7 @@ import functools
 import select
 import socket
 import threading
+from collections.abc import Callable
 from typing import Final
 
 import torch
@@ -27,6 +28,7 @@ from rpc_registry import WorkerInfo
 from .buffers import RECEIVE_BUFFERS
 from .lane import LANE_MIN_BYTES, Lane, lane_head, split_transfer
 from .options import DeviceMap
+from .outbox import DONTWAIT, Outbox
 from .pending import Pending
 from .shm import SHM_MIN_BYTES, MissingFileError, SharedFiles
 from .transport import DataWait
@@ -54,8 +56,7 @@ _LANE_ATTACH_WAIT: Final = 10.0
 # A keepalive is a PONG nobody asked for (id 0: no ping has it), as WebSocket's unsolicited pong:
 # every version of the agent ignores it.
 _KEEPALIVE: Final = small_frame(Kind.PONG, 0, b"")
-_DONTWAIT: Final = getattr(socket, "MSG_DONTWAIT", 0)
-KEEPALIVES: Final = bool(_DONTWAIT)
+KEEPALIVES: Final = bool(DONTWAIT)
 """Whether :meth:`Connection.send_keepalive` can send without blocking on this platform."""
 
 
@@ -115,15 +116,23 @@ class Connection:
     a new reader thread and ends when its frame is done.
     Ownership is a dict entry set with ``setdefault``: one C call, so that
     whoever owns the stream can always be told, even after an interrupted
-    thread.
+    thread. Readers send replies through ``outbox``, which never waits
+    (:mod:`tensorpipe_backend.outbox`); ``spawn(target, name)`` starts its
+    writer thread (default: a daemon thread).
     """
 
-    def __init__(self, peer: WorkerInfo, sock: socket.socket, shm: SharedFiles | None = None) -> None:
+    def __init__(
+        self,
+        peer: WorkerInfo,
+        sock: socket.socket,
+        shm: SharedFiles | None = None,
+        spawn: Callable[[Callable[[], None], str], None] | None = None,
+    ) -> None:
         self.peer = peer
         self.sock = sock
         self.stream: FrameReader = FrameReader(sock)
         self.send_lock: threading.Lock = threading.Lock()
-        self.batch: list[bytes] = []  # small replies the reader writes in one go (under send_lock)
+        self.outbox: Outbox = Outbox(sock, self.send_lock, peer.name, spawn or _start_thread)
         self.pending: dict[int, Pending] = {}
         self.closed = False
         self.shm = shm
@@ -148,12 +157,15 @@ class Connection:
         """Send one frame; ``shm_tokens`` collects the shared-memory files made for it that the
         reply releases. ``ConnectionError`` once closed; :class:`FrameError` for a message over
         a limit of the format, before any byte of it is sent (the connection stays usable)."""
+        outbox = self.outbox
         if not prepared and len(payload) <= SMALL_PAYLOAD:
             frame = small_frame(kind, msg_id, payload)
             with self.send_lock:
                 if self.closed:
                     raise ConnectionError(f"the connection to {self.peer.name} is closed")
-                self.sock.sendall(frame)
+                outbox.send(frame)
+            if outbox:
+                outbox.flush()  # posted by readers while the lock was held
             return
         shm = self.shm
         if shm is not None and any(desc.nbytes >= SHM_MIN_BYTES for desc, _ in prepared):
@@ -166,28 +178,46 @@ class Connection:
                 else (desc, data)
                 for desc, data in prepared
             ]
-        with self.send_lock:
-            if self.closed:
-                raise ConnectionError(f"the connection to {self.peer.name} is closed")
-            lane = self.lane.usable()  # under send_lock: the frame and its lane bytes go out in one order
-            if lane is not None:
-                prepared = [
-                    (dataclasses.replace(desc, lane=True), data)
-                    if not desc.shm_token and desc.nbytes >= LANE_MIN_BYTES
-                    else (desc, data)
-                    for desc, data in prepared
-                ]
-            descriptors = encode_descriptors([desc for desc, _ in prepared]) if prepared else b""
-            header = encode_header(kind, msg_id, len(payload), len(prepared), len(descriptors))
-            try:
-                self._send_frame(header, descriptors, payload, prepared, lane)
-            except BaseException:
-                # Part of a frame may be out: the stream is broken for the peer too. Shut down
-                # (not closed: a reader may be blocked on it), so both readers end the connection.
-                with contextlib.suppress(OSError):
-                    self.sock.shutdown(socket.SHUT_RDWR)
-                self.lane.close()
-                raise
+        while True:
+            with self.send_lock:
+                if self.closed:
+                    raise ConnectionError(f"the connection to {self.peer.name} is closed")
+                if outbox.cleared():  # what readers posted goes first: its first frame may be half out
+                    self._write_frame(kind, msg_id, payload, prepared)
+                    break
+            outbox.wait_for_writer()
+        if outbox:
+            outbox.flush()
+
+    def _write_frame(
+        self, kind: Kind, msg_id: int, payload: bytes, prepared: list[tuple[TensorDescriptor, torch.Tensor]]
+    ) -> None:
+        """Send a frame with tensors or a large payload (hold ``send_lock``, with the outbox sent)."""
+        lane = self.lane.usable()  # under send_lock: the frame and its lane bytes go out in one order
+        if lane is not None:
+            prepared = [
+                (dataclasses.replace(desc, lane=True), data)
+                if not desc.shm_token and desc.nbytes >= LANE_MIN_BYTES
+                else (desc, data)
+                for desc, data in prepared
+            ]
+        descriptors = encode_descriptors([desc for desc, _ in prepared]) if prepared else b""
+        header = encode_header(kind, msg_id, len(payload), len(prepared), len(descriptors))
+        try:
+            self._send_frame(header, descriptors, payload, prepared, lane)
+        except BaseException:
+            # Part of a frame may be out: the stream is broken for the peer too. Shut down
+            # (not closed: a reader may be blocked on it), so both readers end the connection.
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.lane.close()
+            raise
+
+    def post(self, kind: Kind, msg_id: int, payload: bytes) -> None:
+        """Send a frame with a small payload (no tensors) without waiting, through the outbox: how a
+        reader answers (see :mod:`tensorpipe_backend.outbox`)."""
+        if not self.closed:
+            self.outbox.post(small_frame(kind, msg_id, payload))
 
     def _send_frame(
         self,
@@ -218,15 +248,16 @@ class Connection:
                 send_all(self.sock, view)
 
     def send_keepalive(self) -> None:
-        """Send a keepalive frame, unless another frame is being sent (whose bytes show this worker
-        alive as well) or the socket's buffer is full (the peer does not read). Never blocks."""
+        """Send a keepalive frame, unless another frame is being sent or waits in the outbox (whose
+        bytes show this worker alive as well) or the socket's buffer is full (the peer does not
+        read). Never blocks."""
         if not self.send_lock.acquire(blocking=False):
             return
         try:
-            if self.closed:
+            if self.closed or self.outbox:
                 return
             try:
-                sent = self.sock.send(_KEEPALIVE, _DONTWAIT)
+                sent = self.sock.send(_KEEPALIVE, DONTWAIT)
             except OSError:  # full (BlockingIOError), or broken: the reader sees the latter
                 return
             if sent != len(_KEEPALIVE):
@@ -236,17 +267,8 @@ class Connection:
                     self.sock.shutdown(socket.SHUT_RDWR)
         finally:
             self.send_lock.release()
-
-    def flush(self) -> None:
-        """Write the replies the reader batched."""
-        if not self.batch:
-            return
-        with self.send_lock:
-            if not self.batch:
-                return
-            data, self.batch = b"".join(self.batch), []
-            if not self.closed:
-                self.sock.sendall(data)
+        if self.outbox:
+            self.outbox.flush()
 
     # Receiving.
     def receive_tensors(
@@ -310,6 +332,10 @@ class Connection:
                 f"a tensor split over a lane, and no lane with {self.peer.name} within {_LANE_ATTACH_WAIT:g} s"
             )
         return lane
+
+
+def _start_thread(target: Callable[[], None], name: str) -> None:
+    threading.Thread(target=target, name=name, daemon=True).start()
 
 
 def _to_shared_memory(

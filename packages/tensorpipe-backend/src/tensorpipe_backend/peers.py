@@ -206,7 +206,9 @@ class Peers:
                 "group it may then join again)"
             )
         sock.settimeout(None)
-        conn = Connection(WorkerInfo(name, record.rank), sock, shared_files(self._mine(), record, sock))
+        conn = Connection(
+            WorkerInfo(name, record.rank), sock, shared_files(self._mine(), record, sock), self._spawn
+        )
         with self._lock:
             old = self.conns.get(name)
             self.conns[name] = conn
@@ -385,7 +387,10 @@ class Peers:
                 if peer.name in self._dialing and self._me.id < peer.rank:
                     return HandshakeStatus.DUPLICATE
                 new = Connection(
-                    WorkerInfo(peer.name, peer.rank), sock, shared_files(self._mine(), record, sock)
+                    WorkerInfo(peer.name, peer.rank),
+                    sock,
+                    shared_files(self._mine(), record, sock),
+                    self._spawn,
                 )
                 # Nothing may be sent on it before the verdict.
                 new.send_lock.acquire()
@@ -450,6 +455,7 @@ class Peers:
             pending = self._calls.detach(conn)
             left = self._left.get(conn.peer.name)
         close_socket(conn.sock)
+        conn.outbox.close()
         conn.lane.close()
         if conn.shm is not None:
             conn.shm.close()

@@ -71,8 +71,8 @@ class Readers:
     ``me`` names this worker (with ``cuda_count`` devices); ``dispatch``
     processes each frame read, ``drop(conn, reason, probe)`` closes a
     connection that failed (``probe``: it ended or broke, not a malformed frame),
-    ``spawn`` starts a named thread, ``submit`` runs a function on the
-    worker pool, ``connections`` lists the open connections.
+    ``spawn`` starts a named thread, ``connections`` lists the open
+    connections.
     """
 
     def __init__(
@@ -83,7 +83,6 @@ class Readers:
         dispatch: Dispatch,
         drop: Callable[[Connection, str, bool], None],
         spawn: Callable[..., None],
-        submit: Callable[..., None],
         connections: Callable[[], list[Connection]],
         watch: Watch,
     ) -> None:
@@ -93,7 +92,6 @@ class Readers:
         self._dispatch = dispatch
         self._drop = drop
         self._spawn = spawn
-        self._submit = submit
         self._connections = connections
         self._watch = watch
 
@@ -122,7 +120,7 @@ class Readers:
             while True:
                 if not holding:
                     if wait and data_wait is not None:
-                        conn.flush()  # about to wait for the peer: what was batched goes out first
+                        conn.outbox.flush()  # about to wait for the peer: kept replies go out first
                         if not data_wait.wait(_WAIT_TICK):
                             if conn.closed:
                                 return
@@ -139,7 +137,7 @@ class Readers:
                     if conn.reader is not token or conn.closed:
                         return
                 if not stream.has_frame():
-                    conn.flush()  # read_frame may wait for the peer
+                    conn.outbox.flush()  # read_frame may wait for the peer
                 header, descs, payload = stream.read_frame()
                 tensors, error = (
                     conn.receive_tensors(descs, self._cuda_count, self._me) if descs else ((), None)
@@ -256,10 +254,8 @@ class Readers:
             conn.owner[OWNER] = token  # the busy reader owns the stream: it passes to the new one
             conn.busy = 0
         self._spawn(self.read_loop, f"read-{conn.peer.name}", conn, token, True)
-        with conn.send_lock:
-            kept = bool(conn.batch)
-        if kept:
-            self._submit(conn.flush)
+        if conn.outbox:
+            conn.outbox.flush()  # replies the old reader kept; one kept after this look sends itself
 
     def busy(self) -> list[tuple[Hashable, int, object]]:
         """Each connection whose reader processes a frame now: the connection, the frame's job

@@ -3,8 +3,10 @@
 Requests of one peer reach the handler in the order the peer sent them.
 When none of the peer's requests waits, the reader thread calls the handler
 itself; otherwise the request waits in the peer's strand
-(:mod:`tensorpipe_backend.strands`). Small replies written by the reader of
-their connection, with more frames at hand, are batched into one write.
+(:mod:`tensorpipe_backend.strands`). Small replies go through the
+connection's outbox, which never waits (:mod:`tensorpipe_backend.outbox`);
+the reader of their connection, with more frames at hand, keeps them for one
+write after the others.
 """
 
 from __future__ import annotations
@@ -75,13 +77,6 @@ class Requests:
             self._handler = handler
         self._strands.open()
 
-    def submit(self, fn: Callable[..., None], *args: object) -> None:
-        """Run ``fn(*args)`` on the worker pool, or here once the pool is shut down."""
-        try:
-            self._pool.submit(fn, *args)
-        except RuntimeError:  # the pool is shut down: run it here
-            fn(*args)
-
     def enqueue(self, conn: Connection, msg_id: int, message: Message) -> None:
         """Hand a request to the handler, in the order its peer sent it (see the module docstring)."""
         with self._lock:
@@ -117,25 +112,21 @@ class Requests:
         frame = small_frame(Kind.REPLY, msg_id, message.payload)
         current = getattr(reading, "reading", None)
         try:
-            with conn.send_lock:
-                if conn.closed:
-                    return
-                conn.batch.append(frame)
-                # The reader of conn, with more frames at hand, keeps small replies for one
-                # write after the others. Checked under send_lock: hand_off takes it after
-                # moving the reader role, so a reply kept here is never left behind.
-                if (
-                    current is not None
-                    and current[0] is conn
-                    and conn.reader is current[1]
-                    and len(conn.batch) < _BATCH_FRAMES
-                    and conn.stream.has_frame()
-                ):
-                    return
-                data, conn.batch = b"".join(conn.batch), []
-                conn.sock.sendall(data)
-        except OSError as exc:
-            logger.debug("%s: replies to %s lost: %s", self._me, conn.peer.name, exc)
+            if conn.closed:
+                return
+            outbox = conn.outbox
+            # The reader of conn, with more frames at hand, keeps small replies for one write after
+            # the others; never waiting to send, it never stops reading (see .outbox).
+            keep = (
+                current is not None
+                and current[0] is conn
+                and conn.reader is current[1]
+                and len(outbox) < _BATCH_FRAMES
+                and conn.stream.has_frame()
+            )
+            outbox.post(frame, now=not keep)
+            if keep and current is not None and conn.reader is not current[1]:
+                outbox.flush()  # handed off meanwhile: hand_off may have looked before the post
         finally:
             self._calls.done()
 

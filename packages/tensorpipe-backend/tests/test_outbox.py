@@ -1,0 +1,122 @@
+"""A connection's outbox on a socket pair: posting never waits for the peer to read, and every
+frame arrives whole and in order, from the main thread and from others."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tensorpipe_backend.outbox import Outbox
+
+pytestmark = pytest.mark.timeout(30)
+
+FRAMES = [bytes([i]) * 50_000 + b"|" for i in range(40)]  # 2 MB: far more than the socket holds
+
+
+@pytest.fixture
+def ends() -> Iterator[tuple[Outbox, threading.Lock, socket.socket]]:
+    """An outbox on one end of a socket pair, its send lock, and the peer's end."""
+    mine, theirs = socket.socketpair()
+    lock = threading.Lock()
+    outbox = Outbox(mine, lock, "p", _start_daemon)
+    yield outbox, lock, theirs
+    outbox.close()
+    mine.close()
+    theirs.close()
+
+
+def _start_daemon(target: Callable[[], None], name: str) -> None:
+    threading.Thread(target=target, name=name, daemon=True).start()
+
+
+def _in_thread(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on another thread; it must return while nobody reads the socket."""
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "a post waited for the peer to read"
+
+
+def _read(sock: socket.socket, size: int) -> bytes:
+    sock.settimeout(10)
+    parts, got = [], 0
+    while got < size:
+        part = sock.recv(size - got)
+        assert part, "the connection closed early"
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def test_posts_on_a_full_socket_return_at_once_and_go_out_whole_and_in_order(
+    ends: tuple[Outbox, threading.Lock, socket.socket],
+) -> None:
+    outbox, _, theirs = ends
+
+    def post_all() -> None:
+        for frame in FRAMES:
+            outbox.post(frame)
+
+    _in_thread(post_all)
+    assert outbox, "the socket took everything: the test did not fill it"
+    assert _read(theirs, sum(map(len, FRAMES))) == b"".join(FRAMES)
+    assert not outbox
+
+
+def test_a_reader_that_cannot_take_the_send_lock_still_never_waits(
+    ends: tuple[Outbox, threading.Lock, socket.socket],
+) -> None:
+    outbox, lock, theirs = ends
+    with lock:  # another thread sends a frame of its own meanwhile
+        _in_thread(lambda: outbox.post(FRAMES[0]))
+    outbox.flush()  # what the holder does once it lets go
+    assert _read(theirs, len(FRAMES[0])) == FRAMES[0]
+
+
+def test_the_main_thread_queues_its_frame_behind_a_half_sent_one(
+    ends: tuple[Outbox, threading.Lock, socket.socket],
+) -> None:
+    # The main thread never sends the rest of another thread's frame (a signal handler raising
+    # there could lose count of it): it queues its own behind, for the writer thread.
+    outbox, lock, theirs = ends
+    _in_thread(lambda: outbox.post(FRAMES[0] * 10))
+    assert outbox
+    with lock:
+        outbox.send(FRAMES[1])
+    big = FRAMES[0] * 10
+    assert _read(theirs, len(big) + len(FRAMES[1])) == big + FRAMES[1]
+
+
+def test_another_thread_sends_the_queue_before_its_own_frame(
+    ends: tuple[Outbox, threading.Lock, socket.socket],
+) -> None:
+    outbox, lock, theirs = ends
+    _in_thread(lambda: outbox.post(FRAMES[0] * 10))
+
+    def send_own() -> None:
+        with lock:
+            assert outbox.cleared()
+            outbox.send(FRAMES[2])
+
+    sender = threading.Thread(target=send_own, daemon=True)
+    sender.start()
+    big = FRAMES[0] * 10
+    assert _read(theirs, len(big) + len(FRAMES[2])) == big + FRAMES[2]
+    sender.join(timeout=10)
+    assert not sender.is_alive()
+
+
+def test_a_closed_outbox_ends_its_writer_and_refuses_the_main_threads_wait(
+    ends: tuple[Outbox, threading.Lock, socket.socket],
+) -> None:
+    outbox, _, _ = ends
+    writers = [t for t in threading.enumerate() if t.name == "write-p"]
+    outbox.close()
+    for writer in writers:
+        writer.join(timeout=5)
+    assert writers and not any(writer.is_alive() for writer in writers)
+    with pytest.raises(ConnectionError, match="to p is closed"):
+        outbox.wait_for_writer()
