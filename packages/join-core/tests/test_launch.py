@@ -164,5 +164,32 @@ def test_an_agent_that_goes_silent_has_its_workers_counted_lost(tmp_path: Path) 
     _clean(run)
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_the_workers_of_a_killed_agent_end_with_it(tmp_path: Path) -> None:
+    # torch's launcher starts workers in sessions of their own: a SIGKILLed agent would leave them
+    # training beside survivors that count them lost.
+    with start_launch(WORKER, 2, "--sleep", "60", "--pid-dir", str(tmp_path)) as agent:
+        deadline = time.monotonic() + TIMEOUT
+        while len(list(tmp_path.glob("rank-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = [int(path.read_text().split()[0]) for path in sorted(tmp_path.glob("rank-*"))]
+        assert len(workers) == 2 and all(_running(pid) for pid in workers)
+        os.kill(agent.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running = [pid for pid in workers if _running(pid)]
+        run = agent.wait(5.0)
+    assert running == [], f"workers outlived their agent: {running}\n{_report(run)}"
+
+
 if sys.platform != "linux":  # the tests count the workers through /proc
     pytestmark = [pytestmark, pytest.mark.skip(reason="needs Linux's /proc")]

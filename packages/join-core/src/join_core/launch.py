@@ -15,6 +15,12 @@ with 0 when the survivors all succeed, and otherwise with a non-zero code
 after a summary of every rank. The workers use the agent's store
 (``TORCHELASTIC_USE_AGENT_STORE``), so losing rank 0's worker loses no store.
 
+On Linux the workers end with their agent: each gets SIGTERM when the
+agent's process ends, however it ended (torchrun's workers, in sessions of
+their own, outlive a killed agent and go on training beside survivors that
+count them lost). A tiny Python program sets the parent-death signal and
+then executes the worker's own command line.
+
 Not supported, as they would stop or re-form the group: ``--max-restarts``
 above 0, a range of nodes (``--nnodes 1:4``), ``--run-path``, and
 rendezvous backends whose store the workers do not share.
@@ -63,6 +69,31 @@ _SET_HERE: Final = frozenset(
         "master_port",
     }
 )
+
+
+# Run as ``python -S -c _END_WITH_AGENT AGENT_PID PROGRAM ARGS...``: PR_SET_PDEATHSIG (1) with
+# SIGTERM, which execve keeps; a worker whose agent ended before that exits at once. Where the
+# signal cannot be set, the worker runs all the same and says so.
+_END_WITH_AGENT: Final = """\
+import os, sys
+try:
+    import ctypes, signal
+    if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+except Exception as exc:
+    print(f"join_core.launch: this worker may outlive its agent: {exc}", file=sys.stderr)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("join_core.launch: the agent ended before its worker started")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _ending_with_this_agent(entrypoint: str, args: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    """The command line that runs ``entrypoint args`` as a worker that gets SIGTERM when this
+    process (its agent) ends; unchanged where the parent-death signal does not exist."""
+    if not sys.platform.startswith("linux"):
+        return entrypoint, tuple(args)
+    return sys.executable, ("-S", "-c", _END_WITH_AGENT, str(os.getpid()), entrypoint, *args)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -171,11 +202,12 @@ def launch(
         for field in dataclasses.fields(LaunchConfig)
         if field.name in spec_fields and field.name not in _SET_HERE
     }
+    program, program_args = _ending_with_this_agent(entrypoint, args)
     spec = WorkerSpec(
         **copied,
         local_world_size=config.nproc_per_node,
-        entrypoint=entrypoint,
-        args=tuple(args),
+        entrypoint=program,
+        args=program_args,
         rdzv_handler=SurvivorRendezvous(handler),
         max_restarts=0,
         master_addr=master_addr,
