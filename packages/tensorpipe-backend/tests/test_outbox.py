@@ -76,18 +76,26 @@ def test_a_reader_that_cannot_take_the_send_lock_still_never_waits(
     assert _read(theirs, len(FRAMES[0])) == FRAMES[0]
 
 
-def test_the_main_thread_queues_its_frame_behind_a_half_sent_one(
-    ends: tuple[Outbox, threading.Lock, socket.socket],
-) -> None:
+def test_the_main_thread_queues_its_frame_behind_a_half_sent_one() -> None:
     # The main thread never sends the rest of another thread's frame (a signal handler raising
-    # there could lose count of it): it queues its own behind, for the writer thread.
-    outbox, lock, theirs = ends
-    _in_thread(lambda: outbox.post(FRAMES[0] * 10))
-    assert outbox
-    with lock:
-        outbox.send(FRAMES[1])
+    # there could lose count of it): it queues its own behind, for the writer thread, which is
+    # held back here until the main thread is done.
+    mine, theirs = socket.socketpair()
+    lock = threading.Lock()
+    writers: list[Callable[[], None]] = []
+    outbox = Outbox(mine, lock, "p", lambda target, name: writers.append(target))
     big = FRAMES[0] * 10
-    assert _read(theirs, len(big) + len(FRAMES[1])) == big + FRAMES[1]
+    try:
+        _in_thread(lambda: outbox.post(big))
+        assert outbox, "the socket took everything: the test did not fill it"
+        with lock:
+            outbox.send(FRAMES[1])
+        _start_daemon(writers[0], "write-p")
+        assert _read(theirs, len(big) + len(FRAMES[1])) == big + FRAMES[1]
+    finally:
+        outbox.close()
+        mine.close()
+        theirs.close()
 
 
 def test_another_thread_sends_the_queue_before_its_own_frame(
