@@ -63,9 +63,9 @@ def _agents(a: Host, b: Host, args: list[str]) -> list[subprocess.Popen[str]]:
 
 
 def _stop(agents: list[subprocess.Popen[str]], marker: Path) -> None:
-    """Kill the agents' sessions, then their workers, which torch's launcher starts in sessions of
-    their own (a killed agent leaves them running): every process whose command line names
-    ``marker``, the test's own folder."""
+    """Kill the agents' sessions, then any of their workers still running (torch's launcher starts
+    them in sessions of their own; ours has them end with their agent, and this makes sure): every
+    process whose command line names ``marker``, the test's own folder."""
     for agent in agents:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(agent.pid, signal.SIGKILL)
