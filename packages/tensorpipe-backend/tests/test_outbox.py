@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -63,6 +64,9 @@ def test_posts_on_a_full_socket_return_at_once_and_go_out_whole_and_in_order(
     _in_thread(post_all)
     assert outbox, "the socket took everything: the test did not fill it"
     assert _read(theirs, sum(map(len, FRAMES))) == b"".join(FRAMES)
+    deadline = time.monotonic() + 5  # the writer takes sent frames off after their last bytes went
+    while outbox and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not outbox
 
 
