@@ -8,7 +8,7 @@ their replies here: :meth:`Outbox.post` waits neither for the connection's
 ``send_lock`` nor for the peer to read. What the socket does not take at
 once stays queued, in order, and goes out before any other frame: a thread
 that sends a frame of its own sends the queue first, and the connection's
-writer thread (started the first time it is needed) sends it as the peer
+writer thread (one per connection, asleep until woken) sends it as the peer
 reads.
 
 A signal handler can raise in the main thread between any two steps (after
