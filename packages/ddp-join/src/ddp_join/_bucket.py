@@ -67,10 +67,13 @@ class Bucket:
     # reduction without a lost rank; otherwise the gradients in .grad serve).
     completed: torch.Tensor | None = None
     backup: torch.Tensor | None = None
+    meta: torch.Tensor = field(init=False)
     grads: torch.Tensor = field(init=False)
     views: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
+        # Views made once: slicing a tensor costs a microsecond, every step.
+        self.meta = self.buffer[: self.meta_len]
         self.grads = self.buffer[self.meta_len :]
         self.views = [
             self.grads[offset : offset + param.numel()].view_as(param)

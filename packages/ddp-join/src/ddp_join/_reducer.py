@@ -284,7 +284,7 @@ class Reducer:
         if bucket.index == 0:
             self._launched_training = training
             if rides:
-                bucket.buffer[: bucket.meta_len].copy_(self._signal_meta(training, bucket.buffer.dtype))
+                bucket.meta.copy_(self._signal_meta(training, bucket.buffer.dtype))
             elif self._flags_in_meta or Join.is_active(self.joinable):
                 # The metadata cannot ride with these gradients: its own all-reduce, first.
                 separate = self._signal_meta(training, torch.float32).clone()
@@ -339,7 +339,7 @@ class Reducer:
         meta: list[float] = []
         if self._rides(first):
             if self._flags_in_meta or Join.is_active(self.joinable):
-                meta = first_result[: first.meta_len].tolist()
+                meta = first.meta.tolist()  # riding: first_result is first.buffer
             else:
                 # Outside a Join every rank trained: the metadata tells nothing new, and
                 # reading it would make the host wait for the GPU every step.
@@ -402,7 +402,9 @@ class Reducer:
                     param.grad = (reduced / scale).to(param.dtype)  # cast back from a reduce_dtype
                 else:
                     torch.div(reduced, scale, out=param.grad)
-        if meta and not self._handoff:  # a handed-over result's flags are by the former group's ranks
+        if meta and meta[1] > 0 and not self._handoff:
+            self.buffer_src = 0  # the common case, without the loop
+        elif meta and not self._handoff:  # a handed-over result's flags are by the former group's ranks
             for rank, flag in enumerate(meta[1 : 1 + self._world_size]):
                 if flag > 0:
                     self.buffer_src = rank
@@ -541,7 +543,7 @@ class Reducer:
                 self._refill(bucket)
             if self._rides(bucket):
                 meta = self._signal_meta(self._launched_training, bucket.buffer.dtype)
-                bucket.buffer[: bucket.meta_len].copy_(meta)
+                bucket.meta.copy_(meta)
             bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
             bucket.work = self._all_reduce(bucket.reduced)
 
