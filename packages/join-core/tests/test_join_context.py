@@ -184,6 +184,26 @@ def test_disabled_join_runs_no_join_logic() -> None:
     assert run_ranks(_disabled, 2) == [([True] * 3, 0, [])] * 2
 
 
+def _companions(rank: int, world_size: int) -> list[list[int]]:
+    joinables: list[Joinable] = [CountingJoinable(False) for _ in range(3)]
+
+    def seen() -> list[int]:
+        return [len(Join.companions(j)) for j in joinables] + [
+            next(i for i, j in enumerate(joinables) if j is other) for other in Join.companions(joinables[1])
+        ]
+
+    before = seen()
+    with Join(joinables):
+        inside = seen()
+    with Join(joinables, enable=False):
+        disabled = seen()
+    return [before, inside, disabled, seen()]
+
+
+def test_companions_are_the_other_joinables_of_the_entered_join_in_order() -> None:
+    assert run_ranks(_companions, 2) == [[[0, 0, 0], [2, 2, 2, 0, 2], [0, 0, 0], [0, 0, 0]]] * 2
+
+
 def _collectives_per_iteration(rank: int, world_size: int, carries: bool, joined: bool) -> int:
     from torch.profiler import ProfilerActivity, profile
 

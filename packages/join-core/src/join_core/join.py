@@ -305,6 +305,16 @@ class Join:
         return dict(self._contributions)
 
     @staticmethod
+    def companions(joinable: Joinable) -> tuple[Joinable, ...]:
+        """The other joinables of the entered Join ``joinable`` is in, in their
+        order (empty outside one): what else a joined rank's shadowing may
+        serve, e.g. an optimizer that reads the gradients a model's hook writes."""
+        found = _lookup(joinable)
+        if found is None:
+            return ()
+        return tuple(other for other in found[0]._joinables if other is not joinable)
+
+    @staticmethod
     def continues_on_loss(joinable: Joinable) -> bool:
         """Whether ``joinable`` is inside an entered Join with ``on_rank_lost="continue"``:
         it then keeps what it needs to redo a collective without a lost rank's part."""
