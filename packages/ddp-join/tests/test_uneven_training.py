@@ -10,7 +10,7 @@ import torch
 from ddp_cases import DEVICES, batch, flat_params, loss_fn, make_model, rank_device, reference
 
 from ddp_join import DistributedDataParallel, ZeroRedundancyOptimizer
-from join_core import Join
+from join_core import Join, ShadowCollectives
 from join_core.testing import run_ranks
 
 BASE, EXTRA = 3, 2  # rank r trains on BASE + r * EXTRA batches
@@ -136,6 +136,28 @@ def test_joined_rank_receives_the_reduced_gradients() -> None:
     assert len(early) == len(late) == 4
     for shadowed, trained in zip(early, late):
         assert torch.equal(shadowed, trained)
+
+
+def _grads_kept_while_shadowing(rank: int, world_size: int, shadow_collectives: bool) -> bool:
+    model = DistributedDataParallel(make_model())
+    joinables: list[Any] = [model, ShadowCollectives()] if shadow_collectives else [model]
+    with Join(joinables):
+        for step in range(2 + 2 * rank):
+            model.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            last_step = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    return all(torch.equal(kept, now) for kept, now in zip(last_step, after, strict=True))
+
+
+@pytest.mark.parametrize("shadow_collectives", [False, True], ids=["alone", "with-shadow-collectives"])
+def test_a_joined_rank_with_nothing_to_read_its_gradients_keeps_them_as_its_last_step_left_them(
+    shadow_collectives: bool,
+) -> None:
+    # Nothing on the joined rank reads them before the Join ends (as with torch): the copy of each
+    # shadowed iteration's gradients is skipped.
+    early, late = run_ranks(_grads_kept_while_shadowing, 2, shadow_collectives)
+    assert early and late
 
 
 def _even(rank: int, world_size: int, enable: bool) -> torch.Tensor:

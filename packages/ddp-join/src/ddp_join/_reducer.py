@@ -25,7 +25,7 @@ from ddp_join._bucket import Bucket, aligned, group_parameters
 from ddp_join._dist_autograd import distributed_autograd_loaded, distributed_backward_running
 from ddp_join._groups import global_rank
 from ddp_join.comm_hooks import CommHook, GradBucket
-from join_core import Join, Joinable, RankLostError, Recovery
+from join_core import Join, Joinable, RankLostError, Recovery, ShadowCollectives
 
 # Float types that represent the heartbeat and flag counts exactly.
 _EXACT_COUNT_DTYPES: Final = (torch.float32, torch.float64)
@@ -402,6 +402,15 @@ class Reducer:
                     param.grad = (reduced / scale).to(param.dtype)  # cast back from a reduce_dtype
                 else:
                     torch.div(reduced, scale, out=param.grad)
+        self._note_buffer_source(meta)
+        self._reductions += 1
+        if self.keeps_copies:
+            for bucket in self._buckets:
+                bucket.keep_reduced()
+        return meta[0] if meta and self._rides(first) else None
+
+    def _note_buffer_source(self, meta: list[float]) -> None:
+        """The next forward takes the buffers of the first rank that trained in this reduction."""
         if meta and meta[1] > 0 and not self._handoff:
             self.buffer_src = 0  # the common case, without the loop
         elif meta and not self._handoff:  # a handed-over result's flags are by the former group's ranks
@@ -410,11 +419,6 @@ class Reducer:
                     self.buffer_src = rank
                     break
         self._handoff = False
-        self._reductions += 1
-        if self.keeps_copies:
-            for bucket in self._buckets:
-                bucket.keep_reduced()
-        return meta[0] if meta and self._rides(first) else None
 
     def _write_captured(
         self, index: int, bucket: Bucket, position: int, grads: torch.Tensor, scale: int, builtin: bool
@@ -482,14 +486,24 @@ class Reducer:
             self._launch(bucket, training=False)
         if self.keeps_copies:
             self._await_reductions()
-        if self.carries and not Join.heartbeat_result(self.joinable, float(self._buckets[0].result()[0])):
-            for bucket in self._buckets[1:]:
-                bucket.result()
-            self.reset_iteration()
-            self._reductions += 1
-            return  # every rank has joined
+        if self.carries:
+            training = Join.heartbeat_result(self.joinable, float(self._buckets[0].result()[0]))
+            if not training or not (self.keeps_copies or self._gradients_read_when_joined()):
+                # Every rank has joined, or nothing on this rank reads the gradients before the
+                # Join ends (the model's post-hook then takes the last joiner's parameters).
+                for bucket in self._buckets[1:]:
+                    bucket.result()
+                self._note_buffer_source(self._buckets[0].meta.tolist())
+                self.reset_iteration()
+                self._reductions += 1
+                return
         self._complete(shadow=True)
         self.reset_iteration()
+
+    def _gradients_read_when_joined(self) -> bool:
+        """Whether another joinable of the Join may read this rank's gradients
+        while it shadows (a sharded optimizer steps there with them)."""
+        return any(not isinstance(other, ShadowCollectives) for other in Join.companions(self.joinable))
 
     def abort(self) -> None:
         """The rank failed between an iteration's forward and the end of its
