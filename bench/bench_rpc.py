@@ -34,13 +34,15 @@ from benchlib import Figure
 
 from join_core.testing import run_ranks
 
-__all__ = ["echo", "noop", "ps_figures", "ps_update", "rpc_figures"]
+__all__ = ["echo", "flood", "noop", "ps_figures", "ps_update", "rpc_figures"]
 
 _ECHO_MIB: Final = 64
 _SYNC_CALLS: Final = 2000
 _ASYNC_CALLS: Final = 2000
 _WARMUP: Final = 200
 _NUM_WORKER_THREADS: Final = 16
+_FLOOD_CALLS: Final = 48
+_FLOOD_BYTES: Final = 200_000
 
 
 def noop() -> None:
@@ -51,6 +53,14 @@ def noop() -> None:
 def echo(x: torch.Tensor) -> torch.Tensor:
     """Return ``x``: the callee's side of the tensor echo."""
     return x
+
+
+def flood(api_name: str, to: str) -> int:
+    """Send ``to`` the crossing flood's echo calls, all at once; how many came back whole."""
+    api: Any = importlib.import_module(api_name)
+    blob = os.urandom(_FLOOD_BYTES)
+    futures = [api.rpc_async(to, echo, args=(blob,)) for _ in range(_FLOOD_CALLS)]
+    return sum(future.wait() == blob for future in futures)
 
 
 def _echo_bytes(sock: socket.socket) -> None:
@@ -163,12 +173,21 @@ def _measure(rank: int, world_size: int, kind: str, port: int, quick: bool) -> d
             y = api.rpc_sync("w1", echo, args=(x,))
         per_echo = (time.perf_counter() - start) / echoes
         out["echo_gb_s"] = 2 * _ECHO_MIB / per_echo / 1024
+        # Both workers answer large replies while their own calls go out: neither may stop reading.
+        floods = []
+        for _ in range(3 if quick else 5):
+            start = time.perf_counter()
+            crossing = api.rpc_async("w1", flood, args=(api.__name__, "w0"))
+            if flood(api.__name__, "w1") + crossing.wait() != 2 * _FLOOD_CALLS:
+                raise AssertionError(f"{kind}: a crossing echo came back different")
+            floods.append(time.perf_counter() - start)
+        out["flood_ms"] = statistics.median(floods) * 1e3
     api.shutdown()
     return out
 
 
 def rpc_figures(rounds: int, quick: bool) -> list[Figure]:
-    """The four RPC figures, medians over ``rounds`` rounds of ours and torch's, alternating."""
+    """The RPC figures, medians over ``rounds`` rounds of ours and torch's, alternating."""
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: need at least 1 round")
     samples: dict[str, dict[str, list[float]]] = {"ours": {}, "torch": {}}
@@ -202,12 +221,21 @@ def rpc_figures(rounds: int, quick: bool) -> list[Figure]:
         ("rpc_sync no-op round trip", "us", "sync_us", True),
         ("rpc_async no-op throughput", "calls/s", "async_per_s", False),
         (f"{_ECHO_MIB} MiB tensor echo", "GB/s", "echo_gb_s", False),
+        (
+            f"two workers sending each other {_FLOOD_CALLS} echo calls of {_FLOOD_BYTES // 1000} KB at once",
+            "ms",
+            "flood_ms",
+            True,
+        ),
         ("init_rpc, 2 workers", "s", "init", True),
     ):
         ours, theirs = median("ours", key), median("torch", key)
         if key == "sync_us":  # the only figure whose goal is ours / torch's
             ratio = ours / theirs
             goal, met = "<= 0.35x", ours <= 0.35 * theirs
+        elif key == "flood_ms":  # a guard: a reader that waits to send stalls both workers
+            ratio = ours / theirs
+            goal, met = "<= 1.0x", ours <= theirs
         elif lower_is_better:
             ratio = ours / theirs
             goal, met = "<= 0.5x", ours <= 0.5 * theirs

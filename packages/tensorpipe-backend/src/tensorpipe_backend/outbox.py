@@ -38,6 +38,19 @@ DONTWAIT: Final = getattr(socket, "MSG_DONTWAIT", 0)
 _TICK: Final = 1.0  # a wait for the peer or the writer checks this often whether the socket closed
 _MAIN_WAIT: Final = 0.001  # the main thread's wait for the writer to empty the queue
 _MAX_QUEUED: Final = 4096  # frames the main thread may queue before it waits for the writer
+_JOIN_BYTES: Final = 1 << 16  # frames joined into one send, up to this size
+
+
+def _batch(frames: collections.deque[bytes | memoryview]) -> int:
+    """How many of the first frames to send in one call: small ones joined (one system call for
+    many replies), a large one alone (joining it would copy it, as would each of its rests)."""
+    count, size, queued = 0, 0, len(frames)
+    while count < queued:  # by index: readers may append meanwhile, which iterating forbids
+        size += len(frames[count])
+        if count and size > _JOIN_BYTES:
+            break
+        count += 1
+    return count
 
 
 def _on_main_thread() -> bool:
@@ -61,7 +74,9 @@ class Outbox:
         self._sock = sock
         self._lock = send_lock
         self._peer = peer
-        self._frames: collections.deque[bytes] = collections.deque()  # the first may be a frame's rest
+        self._frames: collections.deque[bytes | memoryview] = (
+            collections.deque()
+        )  # the first may be a frame's rest
         self._closed = False
         self._kick = threading.Lock()  # released to wake the writer thread
         self._kick.acquire()
@@ -152,11 +167,11 @@ class Outbox:
         frames = self._frames
         send = self._sock.send
         while frames:
-            count = len(frames)  # frames posted meanwhile go in the next round
+            count = _batch(frames)  # frames posted meanwhile go in a later round
             data = frames[0] if count == 1 else b"".join(itertools.islice(frames, count))
             view, sent = memoryview(data), 0
             try:
-                while sent < len(data):
+                while sent < len(view):
                     try:
                         sent += send(view[sent:], DONTWAIT)
                     except BlockingIOError:
@@ -167,9 +182,9 @@ class Outbox:
                 if sent:
                     for _ in range(count):
                         frames.popleft()
-                    if sent < len(data):
-                        frames.appendleft(data[sent:])
-            if sent < len(data):
+                    if sent < len(view):
+                        frames.appendleft(view[sent:])  # the rest, not a copy of it
+            if sent < len(view):
                 return False
         return True
 

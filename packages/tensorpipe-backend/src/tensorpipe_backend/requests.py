@@ -3,10 +3,10 @@
 Requests of one peer reach the handler in the order the peer sent them.
 When none of the peer's requests waits, the reader thread calls the handler
 itself; otherwise the request waits in the peer's strand
-(:mod:`tensorpipe_backend.strands`). Small replies go through the
-connection's outbox, which never waits (:mod:`tensorpipe_backend.outbox`);
-the reader of their connection, with more frames at hand, keeps them for one
-write after the others.
+(:mod:`tensorpipe_backend.strands`). Replies without tensors (up to a
+megabyte) go through the connection's outbox, which never waits
+(:mod:`tensorpipe_backend.outbox`); the reader of their connection, with more
+frames at hand, keeps small ones for one write after the others.
 """
 
 from __future__ import annotations
@@ -35,6 +35,15 @@ logger: logging.Logger = logging.getLogger(__name__)
 __all__ = ["Requests"]
 
 _BATCH_FRAMES: Final = 256
+# A larger reply without tensors goes through the outbox too (a reader that waited to send it
+# would stop reading, as would the peer's), while the outbox holds fewer than this many frames
+# (what a peer that does not read makes this worker keep stays bounded).
+_POSTED_PAYLOAD: Final = 1 << 20
+_POSTED_FRAMES: Final = 64
+
+
+def _postable(conn: Connection, size: int) -> bool:
+    return size <= SMALL_PAYLOAD or (size <= _POSTED_PAYLOAD and len(conn.outbox) < _POSTED_FRAMES)
 
 
 def _failed(exc: Exception) -> Future[Message]:
@@ -106,9 +115,10 @@ class Requests:
             message = reply.value()
         except Exception:  # noqa: BLE001 - _send_reply_now reports it
             message = None
-        if message is None or message.tensors or len(message.payload) > SMALL_PAYLOAD:
+        if message is None or message.tensors or not _postable(conn, len(message.payload)):
             self._send_reply_now(conn, msg_id, reply)
             return
+        small = len(message.payload) <= SMALL_PAYLOAD
         frame = small_frame(Kind.REPLY, msg_id, message.payload)
         current = getattr(reading, "reading", None)
         try:
@@ -118,7 +128,8 @@ class Requests:
             # The reader of conn, with more frames at hand, keeps small replies for one write after
             # the others; never waiting to send, it never stops reading (see .outbox).
             keep = (
-                current is not None
+                small
+                and current is not None
                 and current[0] is conn
                 and conn.reader is current[1]
                 and len(outbox) < _BATCH_FRAMES

@@ -1,0 +1,102 @@
+"""Replies without tensors, up to a megabyte, leave without the answering thread waiting for the
+peer to read: a reader that waited would stop reading, and a peer whose reader waits likewise
+would never drain its socket either."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+from torch.futures import Future
+
+from rpc_registry import Message
+from tensorpipe_backend.calls import Calls
+from tensorpipe_backend.outbox import Outbox
+from tensorpipe_backend.requests import Requests
+from tensorpipe_backend.watch import Watch
+from tensorpipe_backend.wire import HEADER, MAGIC, Kind
+
+pytestmark = pytest.mark.timeout(30)
+
+REPLIES = [bytes([i]) * 200_000 for i in range(8)]  # 1.6 MB: far more than the socket holds
+
+
+def _start_daemon(target: Callable[[], None], name: str) -> None:
+    threading.Thread(target=target, name=name, daemon=True).start()
+
+
+class _Connection:
+    """What a reply uses of a connection: its outbox, and ``write``, which sends a frame
+    itself, waiting for the peer to read, as the real one does."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.send_lock = threading.Lock()
+        self.outbox = Outbox(sock, self.send_lock, "p", _start_daemon)
+        self.closed = False
+        self.peer = SimpleNamespace(name="p")
+        self.reader: object = None
+        self.stream = SimpleNamespace(has_frame=lambda: False)
+
+    def write(self, kind: Kind, msg_id: int, payload: bytes, prepared: list[Any]) -> None:
+        with self.send_lock:
+            self.sock.sendall(HEADER.pack(MAGIC, int(kind), msg_id, len(payload), 0, 0) + payload)
+
+
+@pytest.fixture
+def answering() -> Iterator[tuple[Requests, _Connection, socket.socket]]:
+    """Requests that answer each with the next of REPLIES, on one end of a socket pair; the peer's end."""
+    mine, theirs = socket.socketpair()
+    conn = _Connection(mine)
+    lock = threading.RLock()
+    calls = Calls("me", lock, threading.Condition(lock))
+    pool = ThreadPoolExecutor(2)
+    requests = Requests("me", lock, calls, pool, lambda name: {}, Watch())
+    answers = iter(REPLIES)
+
+    def handler(peer: Any, message: Message) -> Future[Message]:
+        reply: Future[Message] = Future()
+        reply.set_result(Message(next(answers)))
+        return reply
+
+    requests.start(handler)
+    yield requests, conn, theirs
+    conn.outbox.close()
+    pool.shutdown()
+    mine.close()
+    theirs.close()
+
+
+def _read(sock: socket.socket, size: int) -> bytes:
+    sock.settimeout(10)
+    parts, got = [], 0
+    while got < size:
+        part = sock.recv(size - got)
+        assert part, "the connection closed early"
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def test_replies_of_hundreds_of_kilobytes_never_wait_for_the_peer_and_arrive_whole_in_order(
+    answering: tuple[Requests, _Connection, socket.socket],
+) -> None:
+    requests, conn, theirs = answering
+
+    def answer_all() -> None:
+        for msg_id in range(len(REPLIES)):
+            requests.enqueue(cast(Any, conn), msg_id, Message(b"call"))
+
+    thread = threading.Thread(target=answer_all, daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "answering waited for the peer to read"
+    for msg_id, payload in enumerate(REPLIES):
+        header = HEADER.unpack(_read(theirs, HEADER.size))
+        assert (header[1], header[2], header[3]) == (int(Kind.REPLY), msg_id, len(payload))
+        assert _read(theirs, len(payload)) == payload
