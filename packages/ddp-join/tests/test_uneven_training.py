@@ -139,7 +139,7 @@ def test_joined_rank_receives_the_reduced_gradients() -> None:
 
 
 def _grads_kept_while_shadowing(rank: int, world_size: int, shadow_collectives: bool) -> bool:
-    model = DistributedDataParallel(make_model())
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=0.0001)  # several buckets
     joinables: list[Any] = [model, ShadowCollectives()] if shadow_collectives else [model]
     with Join(joinables):
         for step in range(2 + 2 * rank):

@@ -488,7 +488,7 @@ class Reducer:
             self._await_reductions()
         if self.carries:
             training = Join.heartbeat_result(self.joinable, float(self._buckets[0].result()[0]))
-            if not training or not (self.keeps_copies or self._gradients_read_when_joined()):
+            if not training or not (self.keeps_copies or self._writes_gradients_when_joined()):
                 # Every rank has joined, or nothing on this rank reads the gradients before the
                 # Join ends (the model's post-hook then takes the last joiner's parameters).
                 for bucket in self._buckets[1:]:
@@ -500,9 +500,10 @@ class Reducer:
         self._complete(shadow=True)
         self.reset_iteration()
 
-    def _gradients_read_when_joined(self) -> bool:
-        """Whether another joinable of the Join may read this rank's gradients
-        while it shadows (a sharded optimizer steps there with them)."""
+    def _writes_gradients_when_joined(self) -> bool:
+        """Whether a joined rank writes each shadowed iteration's averages to
+        ``.grad``: when another joinable of the Join may read them (a sharded
+        optimizer steps there with them)."""
         return any(not isinstance(other, ShadowCollectives) for other in Join.companions(self.joinable))
 
     def abort(self) -> None:
