@@ -1,6 +1,6 @@
-"""Replies without tensors, up to a megabyte, leave without the answering thread waiting for the
-peer to read: a reader that waited would stop reading, and a peer whose reader waits likewise
-would never drain its socket either."""
+"""Replies that carry up to a megabyte inline (payload and tensors) leave without the answering
+thread waiting for the peer to read: a reader that waited would stop reading, and a peer whose
+reader waits likewise would never drain its socket either."""
 
 from __future__ import annotations
 
@@ -12,18 +12,21 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+import torch
 from torch.futures import Future
 
 from rpc_registry import Message
 from tensorpipe_backend.calls import Calls
+from tensorpipe_backend.connection import Connection
 from tensorpipe_backend.outbox import Outbox
 from tensorpipe_backend.requests import Requests
 from tensorpipe_backend.watch import Watch
-from tensorpipe_backend.wire import HEADER, MAGIC, Kind
+from tensorpipe_backend.wire import HEADER, Kind, encode_descriptors, encode_header, tensor_bytes
 
 pytestmark = pytest.mark.timeout(30)
 
 REPLIES = [bytes([i]) * 200_000 for i in range(8)]  # 1.6 MB: far more than the socket holds
+TENSOR_BYTES = 200_000
 
 
 def _start_daemon(target: Callable[[], None], name: str) -> None:
@@ -42,15 +45,24 @@ class _Connection:
         self.peer = SimpleNamespace(name="p")
         self.reader: object = None
         self.stream = SimpleNamespace(has_frame=lambda: False)
+        self.shm = None  # another host's peer: tensors go inline
+
+    def frame_to_post(self, *args: Any) -> bytes | None:
+        return Connection.frame_to_post(cast(Any, self), *args)
 
     def write(self, kind: Kind, msg_id: int, payload: bytes, prepared: list[Any]) -> None:
+        descriptors = encode_descriptors([desc for desc, _ in prepared])
+        header = encode_header(kind, msg_id, len(payload), len(prepared), len(descriptors))
         with self.send_lock:
-            self.sock.sendall(HEADER.pack(MAGIC, int(kind), msg_id, len(payload), 0, 0) + payload)
+            self.sock.sendall(
+                b"".join([header, descriptors, payload, *(tensor_bytes(t) for _, t in prepared)])
+            )
 
 
-@pytest.fixture
-def answering() -> Iterator[tuple[Requests, _Connection, socket.socket]]:
-    """Requests that answer each with the next of REPLIES, on one end of a socket pair; the peer's end."""
+@pytest.fixture(params=[False, True], ids=["payload", "payload-and-tensor"])
+def answering(request: pytest.FixtureRequest) -> Iterator[tuple[Requests, _Connection, socket.socket]]:
+    """Requests that answer each with the next of REPLIES (and, with the param, a tensor of
+    TENSOR_BYTES holding its first byte), on one end of a socket pair; the peer's end."""
     mine, theirs = socket.socketpair()
     conn = _Connection(mine)
     lock = threading.RLock()
@@ -61,7 +73,9 @@ def answering() -> Iterator[tuple[Requests, _Connection, socket.socket]]:
 
     def handler(peer: Any, message: Message) -> Future[Message]:
         reply: Future[Message] = Future()
-        reply.set_result(Message(next(answers)))
+        payload = next(answers)
+        tensors = (torch.full((TENSOR_BYTES,), payload[0], dtype=torch.uint8),) if request.param else ()
+        reply.set_result(Message(payload, tensors))
         return reply
 
     requests.start(handler)
@@ -97,6 +111,11 @@ def test_replies_of_hundreds_of_kilobytes_never_wait_for_the_peer_and_arrive_who
     thread.join(timeout=10)
     assert not thread.is_alive(), "answering waited for the peer to read"
     for msg_id, payload in enumerate(REPLIES):
-        header = HEADER.unpack(_read(theirs, HEADER.size))
-        assert (header[1], header[2], header[3]) == (int(Kind.REPLY), msg_id, len(payload))
+        _, kind, got_id, payload_len, tensor_count, descriptors_len = HEADER.unpack(
+            _read(theirs, HEADER.size)
+        )
+        assert (kind, got_id, payload_len) == (int(Kind.REPLY), msg_id, len(payload))
+        _read(theirs, descriptors_len)
         assert _read(theirs, len(payload)) == payload
+        if tensor_count:
+            assert _read(theirs, TENSOR_BYTES) == payload[:1] * TENSOR_BYTES

@@ -46,9 +46,12 @@ from .wire import (
     tensor_bytes,
 )
 
-__all__ = ["KEEPALIVES", "SMALL_PAYLOAD", "Connection", "prepare_tensor"]
+__all__ = ["KEEPALIVES", "POSTED_BYTES", "SMALL_PAYLOAD", "Connection", "prepare_tensor"]
 
 SMALL_PAYLOAD: Final = 1 << 16
+#: A reply whose payload and tensors sent inline (not through shared memory) total at most this
+#: many bytes can be posted whole to the outbox (see :meth:`Connection.frame_to_post`).
+POSTED_BYTES: Final = 1 << 20
 """Payloads up to this size go out in one ``sendall`` with their header."""
 # A lane is attached on this end once the dialler's confirmation is read: a frame that uses it
 # may come first.
@@ -212,6 +215,34 @@ class Connection:
                 self.sock.shutdown(socket.SHUT_RDWR)
             self.lane.close()
             raise
+
+    def frame_to_post(
+        self, kind: Kind, msg_id: int, payload: bytes, prepared: list[tuple[TensorDescriptor, torch.Tensor]]
+    ) -> bytes | None:
+        """The whole frame, to post to the outbox, where what it carries inline (the payload and
+        the tensors that do not go through shared memory) is at most :data:`POSTED_BYTES`; None
+        otherwise (send it with :meth:`write`). :class:`FrameError` as :meth:`write`."""
+        shm = self.shm
+        inline = len(payload) + sum(
+            desc.nbytes for desc, _ in prepared if shm is None or desc.nbytes < SHM_MIN_BYTES
+        )
+        if inline > POSTED_BYTES:
+            return None
+        if shm is not None and any(desc.nbytes >= SHM_MIN_BYTES for desc, _ in prepared):
+            # Checked before any shared-memory file is made, as in write.
+            encode_header(
+                kind, msg_id, len(payload), len(prepared), len(encode_descriptors([d for d, _ in prepared]))
+            )
+            prepared = [
+                (_to_shared_memory(shm, desc, data, None), data)
+                if desc.nbytes >= SHM_MIN_BYTES
+                else (desc, data)
+                for desc, data in prepared
+            ]
+        descriptors = encode_descriptors([desc for desc, _ in prepared]) if prepared else b""
+        header = encode_header(kind, msg_id, len(payload), len(prepared), len(descriptors))
+        inline_tensors = [tensor_bytes(data) for desc, data in prepared if not desc.shm_token]
+        return b"".join([header, descriptors, payload, *inline_tensors])
 
     def post(self, kind: Kind, msg_id: int, payload: bytes) -> None:
         """Send a frame with a small payload (no tensors) without waiting, through the outbox: how a

@@ -44,7 +44,10 @@ _JOIN_BYTES: Final = 1 << 16  # frames joined into one send, up to this size
 def _batch(frames: collections.deque[bytes | memoryview]) -> int:
     """How many of the first frames to send in one call: small ones joined (one system call for
     many replies), a large one alone (joining it would copy it, as would each of its rests)."""
-    count, size, queued = 0, 0, len(frames)
+    queued = len(frames)
+    if queued == 1:
+        return 1  # the common case, without the loop
+    count, size = 0, 0
     while count < queued:  # by index: readers may append meanwhile, which iterating forbids
         size += len(frames[count])
         if count and size > _JOIN_BYTES:

@@ -3,10 +3,11 @@
 Requests of one peer reach the handler in the order the peer sent them.
 When none of the peer's requests waits, the reader thread calls the handler
 itself; otherwise the request waits in the peer's strand
-(:mod:`tensorpipe_backend.strands`). Replies without tensors (up to a
-megabyte) go through the connection's outbox, which never waits
-(:mod:`tensorpipe_backend.outbox`); the reader of their connection, with more
-frames at hand, keeps small ones for one write after the others.
+(:mod:`tensorpipe_backend.strands`). Replies go through the connection's
+outbox, which never waits (:mod:`tensorpipe_backend.outbox`), unless what they
+carry inline (not through shared memory) exceeds a megabyte; the reader of
+their connection, with more frames at hand, keeps small ones for one write
+after the others.
 """
 
 from __future__ import annotations
@@ -35,15 +36,11 @@ logger: logging.Logger = logging.getLogger(__name__)
 __all__ = ["Requests"]
 
 _BATCH_FRAMES: Final = 256
-# A larger reply without tensors goes through the outbox too (a reader that waited to send it
-# would stop reading, as would the peer's), while the outbox holds fewer than this many frames
-# (what a peer that does not read makes this worker keep stays bounded).
-_POSTED_PAYLOAD: Final = 1 << 20
+# Larger replies go through the outbox too where they can (see Connection.frame_to_post: a
+# reader that waited to send one would stop reading, as would the peer's), while the outbox
+# holds fewer than this many frames (what a peer that does not read makes this worker keep
+# stays bounded).
 _POSTED_FRAMES: Final = 64
-
-
-def _postable(conn: Connection, size: int) -> bool:
-    return size <= SMALL_PAYLOAD or (size <= _POSTED_PAYLOAD and len(conn.outbox) < _POSTED_FRAMES)
 
 
 def _failed(exc: Exception) -> Future[Message]:
@@ -115,10 +112,9 @@ class Requests:
             message = reply.value()
         except Exception:  # noqa: BLE001 - _send_reply_now reports it
             message = None
-        if message is None or message.tensors or not _postable(conn, len(message.payload)):
+        if message is None or message.tensors or len(message.payload) > SMALL_PAYLOAD:
             self._send_reply_now(conn, msg_id, reply)
             return
-        small = len(message.payload) <= SMALL_PAYLOAD
         frame = small_frame(Kind.REPLY, msg_id, message.payload)
         current = getattr(reading, "reading", None)
         try:
@@ -128,8 +124,7 @@ class Requests:
             # The reader of conn, with more frames at hand, keeps small replies for one write after
             # the others; never waiting to send, it never stops reading (see .outbox).
             keep = (
-                small
-                and current is not None
+                current is not None
                 and current[0] is conn
                 and conn.reader is current[1]
                 and len(outbox) < _BATCH_FRAMES
@@ -142,6 +137,7 @@ class Requests:
             self._calls.done()
 
     def _send_reply_now(self, conn: Connection, msg_id: int, reply: Future[Message]) -> None:
+        """Send a reply with tensors, a large one or an error: posted whole where it can be."""
         try:
             try:
                 message = reply.value()
@@ -151,7 +147,13 @@ class Requests:
                     prepared = [
                         prepare_tensor(t, reverse, conn.peer.name, is_request=False) for t in message.tensors
                     ]
-                conn.write(Kind.REPLY, msg_id, message.payload, prepared)
+                frame = None
+                if len(conn.outbox) < _POSTED_FRAMES:
+                    frame = conn.frame_to_post(Kind.REPLY, msg_id, message.payload, prepared)
+                if frame is None:
+                    conn.write(Kind.REPLY, msg_id, message.payload, prepared)
+                elif not conn.closed:
+                    conn.outbox.post(frame)
             except OSError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reported to the caller
@@ -159,7 +161,7 @@ class Requests:
                     logger.warning(
                         "%s: the reply %d to %s was not sent: %s", self._me, msg_id, conn.peer.name, exc
                     )
-                conn.write(Kind.ERROR, msg_id, f"{type(exc).__name__}: {exc}".encode(), [])
+                conn.post(Kind.ERROR, msg_id, f"{type(exc).__name__}: {exc}".encode())
         except (OSError, FrameError) as exc:
             logger.debug("%s: reply %d to %s lost: %s", self._me, msg_id, conn.peer.name, exc)
         finally:
