@@ -120,43 +120,46 @@ class _GradRecorder:
         return self.model.join_process_group
 
 
-def _joined_grads(rank: int, world_size: int) -> list[torch.Tensor]:
-    model = DistributedDataParallel(make_model())
+def _joined_grads(rank: int, world_size: int, views: bool) -> list[torch.Tensor]:
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=0.0001, gradient_as_bucket_view=views)
     recorder = _GradRecorder(model)
     with Join([model, recorder]):
         for step in range(2 + 2 * rank):
-            model.zero_grad()
+            model.zero_grad(set_to_none=not views)
             loss_fn(model, *batch(rank, step)).backward()
             recorder.record()
     return recorder.grads
 
 
-def test_joined_rank_receives_the_reduced_gradients() -> None:
-    early, late = run_ranks(_joined_grads, 2)
+@pytest.mark.parametrize("views", [False, True], ids=["grad-copies", "grad-bucket-views"])
+def test_joined_rank_receives_the_reduced_gradients(views: bool) -> None:
+    early, late = run_ranks(_joined_grads, 2, views)
     assert len(early) == len(late) == 4
     for shadowed, trained in zip(early, late):
         assert torch.equal(shadowed, trained)
 
 
-def _grads_kept_while_shadowing(rank: int, world_size: int, shadow_collectives: bool) -> bool:
-    model = DistributedDataParallel(make_model(), bucket_cap_mb=0.0001)  # several buckets
+def _grads_kept_while_shadowing(rank: int, world_size: int, shadow_collectives: bool, views: bool) -> bool:
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=0.0001, gradient_as_bucket_view=views)
     joinables: list[Any] = [model, ShadowCollectives()] if shadow_collectives else [model]
     with Join(joinables):
         for step in range(2 + 2 * rank):
-            model.zero_grad()
+            model.zero_grad(set_to_none=not views)
             loss_fn(model, *batch(rank, step)).backward()
             last_step = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     after = [p.grad for p in model.parameters() if p.grad is not None]
     return all(torch.equal(kept, now) for kept, now in zip(last_step, after, strict=True))
 
 
+@pytest.mark.parametrize("views", [False, True], ids=["grad-copies", "grad-bucket-views"])
 @pytest.mark.parametrize("shadow_collectives", [False, True], ids=["alone", "with-shadow-collectives"])
 def test_a_joined_rank_with_nothing_to_read_its_gradients_keeps_them_as_its_last_step_left_them(
-    shadow_collectives: bool,
+    shadow_collectives: bool, views: bool
 ) -> None:
     # Nothing on the joined rank reads them before the Join ends (as with torch): the copy of each
-    # shadowed iteration's gradients is skipped.
-    early, late = run_ranks(_grads_kept_while_shadowing, 2, shadow_collectives)
+    # shadowed iteration's gradients is skipped, and gradient views are not the buffers a joined
+    # rank reduces its zeros in. Every rank ends the Join with the gradients of its own last step.
+    early, late = run_ranks(_grads_kept_while_shadowing, 2, shadow_collectives, views)
     assert early and late
 
 

@@ -67,6 +67,8 @@ class Bucket:
     # reduction without a lost rank; otherwise the gradients in .grad serve).
     completed: torch.Tensor | None = None
     backup: torch.Tensor | None = None
+    # The real buffer while a joined rank reduces zeros in another (see lend_zeros).
+    lent: torch.Tensor | None = None
     meta: torch.Tensor = field(init=False)
     grads: torch.Tensor = field(init=False)
     views: list[torch.Tensor] = field(init=False)
@@ -97,6 +99,26 @@ class Bucket:
             return
         self.buffer, self.completed = self.completed, self.buffer
         self.__post_init__()
+
+    def lend_zeros(self) -> None:
+        """For a joined rank's reduction with gradient views: zeros in a buffer of their own
+        take the real buffer's place, so that ``.grad`` (views of the real one) keeps its values."""
+        self.lent = self.buffer
+        self.buffer = torch.zeros_like(self.buffer)
+        self.__post_init__()
+
+    def take_back(self, keep_result: bool) -> None:
+        """End :meth:`lend_zeros` once the reduction completed: the real buffer again, with
+        the reduced values copied into it if ``keep_result``."""
+        if self.lent is None:
+            return
+        reduced_whole = self.reduced is self.buffer
+        lent, self.buffer, self.lent = self.buffer, self.lent, None
+        self.__post_init__()
+        if keep_result:
+            self.buffer.copy_(lent)
+        if self.reduced is not None and self.work is not None:
+            self.reduced = self.buffer if reduced_whole else self.grads
 
     def grad_view(self, position: int) -> torch.Tensor:
         """The part of the buffer that holds parameter ``position``'s gradient."""

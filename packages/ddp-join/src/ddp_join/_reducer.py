@@ -478,7 +478,23 @@ class Reducer:
         """Shadow one iteration's reduction: every bucket (zeros) through the
         same collectives as a training rank's."""
         for bucket in self._buckets:
-            bucket.grads.zero_()
+            if bucket.as_view:
+                bucket.lend_zeros()  # .grad views the real buffer: it keeps its values
+            else:
+                bucket.grads.zero_()
+        try:
+            writes = self._reduce_lent_zeros()
+        except BaseException:
+            for bucket in self._buckets:
+                bucket.take_back(keep_result=False)
+            raise
+        if writes:
+            self._complete(shadow=True)
+        self.reset_iteration()
+
+    def _reduce_lent_zeros(self) -> bool:
+        """:meth:`reduce_zeros` once the buckets hold zeros: whether ``.grad`` is to be
+        written with the result, which the buckets then hold (their own buffers back)."""
         # Every bucket at once, as a training rank issues them. When all ranks
         # have joined, all of them are here issuing the same, so nothing is
         # left unmatched even though nobody needed the result.
@@ -494,11 +510,15 @@ class Reducer:
                 for bucket in self._buckets[1:]:
                     bucket.result()
                 self._note_buffer_source(self._buckets[0].meta.tolist())
-                self.reset_iteration()
+                for bucket in self._buckets:
+                    bucket.take_back(keep_result=False)
                 self._reductions += 1
-                return
-        self._complete(shadow=True)
-        self.reset_iteration()
+                return False
+        for bucket in self._buckets:
+            if bucket.lent is not None:
+                bucket.result()
+                bucket.take_back(keep_result=True)
+        return True
 
     def _writes_gradients_when_joined(self) -> bool:
         """Whether a joined rank writes each shadowed iteration's averages to
