@@ -121,11 +121,18 @@ def test_survivors_of_a_frozen_rank_finish_exactly_and_fence_it_when_it_wakes() 
 
 
 def _uneven_with_losses(
-    rank: int, world_size: int, counts: list[int], losses: dict[int, int], divide_by_initial: bool
+    rank: int,
+    world_size: int,
+    counts: list[int],
+    losses: dict[int, int],
+    divide_by_initial: bool,
+    views: bool,
 ) -> list[float]:
     """Rank r trains counts[r] iterations; rank l of ``losses`` is killed in the
     forward of iteration losses[l]. Survivors check against the reference."""
-    model = DistributedDataParallel(make_model(), bucket_cap_mb=TINY_BUCKETS_MB)
+    model = DistributedDataParallel(
+        make_model(), bucket_cap_mb=TINY_BUCKETS_MB, gradient_as_bucket_view=views
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with model.join(
         divide_by_initial_world_size=divide_by_initial, liveness_timeout=LIVENESS, on_rank_lost="continue"
@@ -147,18 +154,19 @@ def _uneven_with_losses(
 
 
 @pytest.mark.parametrize(
-    "counts,losses,divide_by_initial",
+    "counts,losses,divide_by_initial,views",
     [
-        pytest.param([8, 3, 8], {2: 5}, True, id="lost-while-another-rank-shadows"),
-        pytest.param([8, 8, 5], {1: 3}, False, id="divided-by-the-ranks-training"),
-        pytest.param([8, 8, 8, 8], {3: 2, 2: 5}, True, id="two-losses"),
+        pytest.param([8, 3, 8], {2: 5}, True, False, id="lost-while-another-rank-shadows"),
+        pytest.param([8, 3, 8], {2: 5}, True, True, id="lost-while-another-rank-shadows-grad-views"),
+        pytest.param([8, 8, 5], {1: 3}, False, False, id="divided-by-the-ranks-training"),
+        pytest.param([8, 8, 8, 8], {3: 2, 2: 5}, True, False, id="two-losses"),
     ],
 )
 def test_survivors_with_uneven_inputs_finish_exactly(
-    counts: list[int], losses: dict[int, int], divide_by_initial: bool
+    counts: list[int], losses: dict[int, int], divide_by_initial: bool, views: bool
 ) -> None:
     with pytest.raises(RanksFailedError) as failed:
-        run_ranks(_uneven_with_losses, len(counts), counts, losses, divide_by_initial, timeout=90)
+        run_ranks(_uneven_with_losses, len(counts), counts, losses, divide_by_initial, views, timeout=90)
     assert sorted(failed.value.failures) == sorted(losses), str(failed.value)
     assert all("exited with code -9" in failed.value.failures[r] for r in losses), str(failed.value)
 
