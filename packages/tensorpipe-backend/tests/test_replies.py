@@ -4,6 +4,7 @@ reader waits likewise would never drain its socket either."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -53,37 +54,75 @@ class _Connection:
     def write(self, kind: Kind, msg_id: int, payload: bytes, prepared: list[Any]) -> None:
         descriptors = encode_descriptors([desc for desc, _ in prepared])
         header = encode_header(kind, msg_id, len(payload), len(prepared), len(descriptors))
-        with self.send_lock:
-            self.sock.sendall(
-                b"".join([header, descriptors, payload, *(tensor_bytes(t) for _, t in prepared)])
-            )
+        while True:  # as the real one: what was posted goes first
+            with self.send_lock:
+                if self.outbox.cleared():
+                    self.sock.sendall(
+                        b"".join([header, descriptors, payload, *(tensor_bytes(t) for _, t in prepared)])
+                    )
+                    return
+            self.outbox.wait_for_writer()
 
 
-@pytest.fixture(params=[False, True], ids=["payload", "payload-and-tensor"])
-def answering(request: pytest.FixtureRequest) -> Iterator[tuple[Requests, _Connection, socket.socket]]:
-    """Requests that answer each with the next of REPLIES (and, with the param, a tensor of
-    TENSOR_BYTES holding its first byte), on one end of a socket pair; the peer's end."""
+@contextlib.contextmanager
+def _answering(
+    replies: list[bytes], with_tensor: bool
+) -> Iterator[tuple[Requests, _Connection, socket.socket]]:
+    """Requests that answer each with the next of ``replies`` (and, ``with_tensor``, a tensor
+    of TENSOR_BYTES holding its first byte), on one end of a socket pair; the peer's end."""
     mine, theirs = socket.socketpair()
     conn = _Connection(mine)
     lock = threading.RLock()
     calls = Calls("me", lock, threading.Condition(lock))
     pool = ThreadPoolExecutor(2)
     requests = Requests("me", lock, calls, pool, lambda name: {}, Watch())
-    answers = iter(REPLIES)
+    answers = iter(replies)
 
     def handler(peer: Any, message: Message) -> Future[Message]:
         reply: Future[Message] = Future()
         payload = next(answers)
-        tensors = (torch.full((TENSOR_BYTES,), payload[0], dtype=torch.uint8),) if request.param else ()
+        tensors = (torch.full((TENSOR_BYTES,), payload[0], dtype=torch.uint8),) if with_tensor else ()
         reply.set_result(Message(payload, tensors))
         return reply
 
     requests.start(handler)
-    yield requests, conn, theirs
-    conn.outbox.close()
-    pool.shutdown()
-    mine.close()
-    theirs.close()
+    try:
+        yield requests, conn, theirs
+    finally:
+        conn.outbox.close()
+        pool.shutdown()
+        mine.close()
+        theirs.close()
+
+
+@pytest.fixture(params=[False, True], ids=["payload", "payload-and-tensor"])
+def answering(request: pytest.FixtureRequest) -> Iterator[tuple[Requests, _Connection, socket.socket]]:
+    """:func:`_answering` REPLIES, with and without a tensor each."""
+    with _answering(REPLIES, request.param) as ends:
+        yield ends
+
+
+def _answer_all(requests: Requests, conn: _Connection, count: int) -> threading.Thread:
+    """A thread that hands ``requests`` ``count`` requests (answered in it), started."""
+
+    def answer_all() -> None:
+        for msg_id in range(count):
+            requests.enqueue(cast(Any, conn), msg_id, Message(b"call"))
+
+    thread = threading.Thread(target=answer_all, daemon=True)
+    thread.start()
+    return thread
+
+
+def _read_replies(sock: socket.socket, replies: list[bytes]) -> None:
+    """Read a reply frame for each of ``replies`` and check it is that one, in order."""
+    for msg_id, payload in enumerate(replies):
+        _, kind, got_id, payload_len, tensor_count, descriptors_len = HEADER.unpack(_read(sock, HEADER.size))
+        assert (kind, got_id, payload_len) == (int(Kind.REPLY), msg_id, len(payload))
+        _read(sock, descriptors_len)
+        assert _read(sock, len(payload)) == payload
+        if tensor_count:
+            assert _read(sock, TENSOR_BYTES) == payload[:1] * TENSOR_BYTES
 
 
 def _read(sock: socket.socket, size: int) -> bytes:
@@ -101,21 +140,19 @@ def test_replies_of_hundreds_of_kilobytes_never_wait_for_the_peer_and_arrive_who
     answering: tuple[Requests, _Connection, socket.socket],
 ) -> None:
     requests, conn, theirs = answering
-
-    def answer_all() -> None:
-        for msg_id in range(len(REPLIES)):
-            requests.enqueue(cast(Any, conn), msg_id, Message(b"call"))
-
-    thread = threading.Thread(target=answer_all, daemon=True)
-    thread.start()
+    thread = _answer_all(requests, conn, len(REPLIES))
     thread.join(timeout=10)
     assert not thread.is_alive(), "answering waited for the peer to read"
-    for msg_id, payload in enumerate(REPLIES):
-        _, kind, got_id, payload_len, tensor_count, descriptors_len = HEADER.unpack(
-            _read(theirs, HEADER.size)
-        )
-        assert (kind, got_id, payload_len) == (int(Kind.REPLY), msg_id, len(payload))
-        _read(theirs, descriptors_len)
-        assert _read(theirs, len(payload)) == payload
-        if tensor_count:
-            assert _read(theirs, TENSOR_BYTES) == payload[:1] * TENSOR_BYTES
+    _read_replies(theirs, REPLIES)
+
+
+def test_replies_to_a_peer_that_does_not_read_stop_queueing_at_16_mib_and_all_arrive_in_order() -> None:
+    replies = [bytes([i]) * 3_000_000 for i in range(10)]  # 30 MB
+    with _answering(replies, with_tensor=False) as (requests, conn, theirs):
+        thread = _answer_all(requests, conn, len(replies))
+        thread.join(timeout=2)
+        assert thread.is_alive(), "30 MB of replies were all queued for a peer that does not read"
+        assert conn.outbox.queued_bytes() <= 16 << 20
+        _read_replies(theirs, replies)
+        thread.join(timeout=10)
+        assert not thread.is_alive()

@@ -50,8 +50,9 @@ __all__ = ["KEEPALIVES", "POSTED_BYTES", "SMALL_PAYLOAD", "Connection", "prepare
 
 SMALL_PAYLOAD: Final = 1 << 16
 #: A reply whose payload and tensors sent inline (not through shared memory) total at most this
-#: many bytes can be posted whole to the outbox (see :meth:`Connection.frame_to_post`).
-POSTED_BYTES: Final = 1 << 20
+#: many bytes can be posted whole to the outbox (see :meth:`Connection.frame_to_post`); below
+#: :data:`.lane.LANE_MIN_BYTES`, so a tensor that a second connection would speed up keeps it.
+POSTED_BYTES: Final = 4 << 20
 """Payloads up to this size go out in one ``sendall`` with their header."""
 # A lane is attached on this end once the dialler's confirmation is read: a frame that uses it
 # may come first.

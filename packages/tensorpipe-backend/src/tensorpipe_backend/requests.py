@@ -5,7 +5,8 @@ When none of the peer's requests waits, the reader thread calls the handler
 itself; otherwise the request waits in the peer's strand
 (:mod:`tensorpipe_backend.strands`). Replies go through the connection's
 outbox, which never waits (:mod:`tensorpipe_backend.outbox`), unless what they
-carry inline (not through shared memory) exceeds a megabyte; the reader of
+carry inline (not through shared memory) exceeds 4 MiB or the outbox holds
+16 MiB already; the reader of
 their connection, with more frames at hand, keeps small ones for one write
 after the others.
 """
@@ -38,9 +39,10 @@ __all__ = ["Requests"]
 _BATCH_FRAMES: Final = 256
 # Larger replies go through the outbox too where they can (see Connection.frame_to_post: a
 # reader that waited to send one would stop reading, as would the peer's), while the outbox
-# holds fewer than this many frames (what a peer that does not read makes this worker keep
-# stays bounded).
+# holds fewer than this many frames and bytes with it (what a peer that does not read makes
+# this worker keep stays bounded).
 _POSTED_FRAMES: Final = 64
+_POSTED_QUEUE_BYTES: Final = 16 << 20
 
 
 def _failed(exc: Exception) -> Future[Message]:
@@ -150,6 +152,8 @@ class Requests:
                 frame = None
                 if len(conn.outbox) < _POSTED_FRAMES:
                     frame = conn.frame_to_post(Kind.REPLY, msg_id, message.payload, prepared)
+                if frame is not None and conn.outbox.queued_bytes() + len(frame) > _POSTED_QUEUE_BYTES:
+                    frame = None  # the peer does not read: wait with it (the watch moves reading on)
                 if frame is None:
                     conn.write(Kind.REPLY, msg_id, message.payload, prepared)
                 elif not conn.closed:
