@@ -399,7 +399,8 @@ def steps() -> list[Step]:
         Step("format (ruff format --check)", "check", ("-m", "ruff", "format", "--check", ".")),
         Step("types (mypy --strict)", "check", ("tools/typecheck.py",)),
     ]
-    pytest_args = ("-m", "pytest", "-rs", "-p", "slow_tests")  # tools/pytest_plugins/slow_tests.py
+    # tools/pytest_plugins: slow_tests.py and private_tmp.py
+    pytest_args = ("-m", "pytest", "-rs", "-p", "slow_tests", "-p", "private_tmp")
     found += [
         Step(f"unit tests: {p}", f"unit-{p}", pytest_args, PACKAGES / p, pytest=True) for p in packages()
     ]

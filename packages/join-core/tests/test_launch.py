@@ -67,6 +67,21 @@ def test_a_worker_raising_while_others_run_is_lost_with_its_error() -> None:
     _clean(run)
 
 
+def test_the_agents_log_directory_goes_with_the_job_unless_asked_for(tmp_path: Path) -> None:
+    # The workers' error files live there: the error still reaches the summary.
+    temporary, kept = tmp_path / "tmp", tmp_path / "logs"
+    temporary.mkdir()
+    env = {"TMPDIR": str(temporary)}
+    run = run_launch(WORKER, 2, "--raise", "1", timeout=TIMEOUT, env=env)
+    assert "ValueError: rank 1 was told to fail" in run.output, _report(run)
+    assert list(temporary.iterdir()) == [], _report(run)
+    run = run_launch(
+        WORKER, 2, "--raise", "1", launch_args=["--log-dir", str(kept)], timeout=TIMEOUT, env=env
+    )
+    assert "ValueError: rank 1 was told to fail" in run.output, _report(run)
+    assert list(temporary.iterdir()) == [] and list(kept.rglob("error.json")), _report(run)
+
+
 def test_a_worker_failing_after_another_finished_fails_the_job() -> None:
     run = run_launch(WORKER, 3, "--exit", "1:1", "--exit-after", "3", "--sleep", "0", timeout=TIMEOUT)
     assert run.returncode == 1, _report(run)

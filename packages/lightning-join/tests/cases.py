@@ -58,7 +58,8 @@ def placement(world_size: int) -> dict[str, Any]:
 
 
 def trainer(world_size: int, root: str | None = None, **kwargs: Any) -> pl.Trainer:
-    """A quiet Trainer over ``world_size`` ranks with the strategy under test."""
+    """A quiet Trainer over ``world_size`` ranks with the strategy under test; its root is ``root``,
+    or a folder that it does not make, since it writes no logs and no checkpoints."""
     options: dict[str, Any] = dict(
         **placement(world_size),
         strategy=strategy(exact_eval=True),
@@ -68,7 +69,7 @@ def trainer(world_size: int, root: str | None = None, **kwargs: Any) -> pl.Train
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        default_root_dir=root or tempfile.mkdtemp(prefix="lightning-join-"),
+        default_root_dir=root or os.path.join(tempfile.gettempdir(), f"lightning-unwritten-{os.getpid()}"),
     )
     options.update(kwargs)
     return pl.Trainer(**options)

@@ -21,6 +21,10 @@ their own, outlive a killed agent and go on training beside survivors that
 count them lost). A tiny Python program sets the parent-death signal and
 then executes the worker's own command line.
 
+Without ``--log-dir`` (nor ``--redirects``, ``--tee`` or ``--logs-specs``), the
+agent's log directory holds only the workers' error files, and is removed
+with the job.
+
 Not supported, as they would stop or re-form the group: ``--max-restarts``
 above 0, a range of nodes (``--nnodes 1:4``), ``--run-path``, and
 rendezvous backends whose store the workers do not share.
@@ -29,13 +33,15 @@ rendezvous backends whose store the workers do not share.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
 import logging
 import os
 import sys
+import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 from torch.distributed.elastic import events, metrics
@@ -254,13 +260,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed; the agent has logged a summary of every rank either way."""
     args = parse_args(argv)
     _log_to_stderr()
-    config, entrypoint, entry_args = config_from_args(args)
-    if not isinstance(entrypoint, str):
-        raise TypeError(f"join_core.launch: expected a program to run, got {entrypoint!r}")
-    outcome = launch(config, entrypoint, entry_args, agent_timeout=args.agent_timeout)
+    with _log_dir_unless_kept(args):
+        config, entrypoint, entry_args = config_from_args(args)
+        if not isinstance(entrypoint, str):
+            raise TypeError(f"join_core.launch: expected a program to run, got {entrypoint!r}")
+        outcome = launch(config, entrypoint, entry_args, agent_timeout=args.agent_timeout)
     if outcome.succeeded:
         return 0
     return 1
+
+
+@contextlib.contextmanager
+def _log_dir_unless_kept(args: argparse.Namespace) -> Iterator[None]:
+    """Without ``--log-dir``, ``--redirects``, ``--tee`` or ``--logs-specs``, the agent's log
+    directory holds only the workers' error files, read when they end: it is made here and removed
+    with the job (torchrun leaves a ``torchelastic_*`` directory behind on every run)."""
+    kept = (
+        args.log_dir is not None
+        or args.redirects != "0"
+        or args.tee != "0"
+        or getattr(args, "logs_specs", None) is not None
+    )
+    if kept:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="join-core-launch-") as directory:
+        args.log_dir = directory
+        yield
 
 
 def _log_to_stderr() -> None:
