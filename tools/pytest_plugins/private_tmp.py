@@ -48,7 +48,7 @@ class PrivateTmp:
             f" and {len(left) - _LISTED} more" if len(left) > _LISTED else ""
         )
         terminalreporter.section("left in the temporary directory (removed now)")
-        terminalreporter.write_line(f"{len(left)} entries: {shown}")
+        terminalreporter.write_line(f"{len(left)} {'entry' if len(left) == 1 else 'entries'}: {shown}")
 
     def remove(self) -> None:
         """Remove the run's directory and give ``TMPDIR`` back."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -25,11 +26,15 @@ _FIT = textwrap.dedent(
 )
 
 
-def test_a_fit_removes_its_lightning_folder(tmp_path: Path) -> None:
+def test_a_fit_removes_its_lightning_folder() -> None:
     bench = str(Path(bench_lightning.__file__).resolve().parent)
     path = os.pathsep.join(filter(None, [bench, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=path)
-    done = subprocess.run([sys.executable, "-c", _FIT], env=env, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["1", "1"]  # one fit with each strategy
-    assert sorted(p.name for p in tmp_path.glob("bench-lightning-*")) == []
+    # Not tmp_path: the fork server's socket must fit a Unix socket's path under TMPDIR.
+    with tempfile.TemporaryDirectory() as temporary:
+        env = dict(os.environ, TMPDIR=temporary, PYTHONPATH=path)
+        done = subprocess.run(
+            [sys.executable, "-c", _FIT], env=env, capture_output=True, text=True, timeout=280
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split() == ["1", "1"]  # one fit with each strategy
+        assert sorted(p.name for p in Path(temporary).glob("bench-lightning-*")) == []
