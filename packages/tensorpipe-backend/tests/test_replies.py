@@ -18,7 +18,8 @@ from torch.futures import Future
 
 from rpc_registry import Message
 from tensorpipe_backend.calls import Calls
-from tensorpipe_backend.connection import Connection
+from tensorpipe_backend.connection import Connection, prepare_tensor
+from tensorpipe_backend.lane import LANE_MIN_BYTES
 from tensorpipe_backend.outbox import Outbox
 from tensorpipe_backend.requests import Requests
 from tensorpipe_backend.watch import Watch
@@ -156,3 +157,25 @@ def test_replies_to_a_peer_that_does_not_read_stop_queueing_at_16_mib_and_all_ar
         _read_replies(theirs, replies)
         thread.join(timeout=10)
         assert not thread.is_alive()
+
+
+def test_replies_of_megabytes_of_payload_never_wait_for_the_peer_and_arrive_whole_in_order() -> None:
+    replies = [bytes([i]) * 6_000_000 for i in range(2)]  # each more than 4 MiB, together under 16 MiB
+    with _answering(replies, with_tensor=False) as (requests, conn, theirs):
+        thread = _answer_all(requests, conn, len(replies))
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "answering waited for the peer to read"
+        _read_replies(theirs, replies)
+
+
+def test_a_reply_whose_tensor_a_second_connection_would_carry_is_not_posted() -> None:
+    mine, theirs = socket.socketpair()
+    with mine, theirs:
+        conn = _Connection(mine)
+        large = torch.zeros(LANE_MIN_BYTES, dtype=torch.uint8)
+        below = torch.zeros(LANE_MIN_BYTES - 1, dtype=torch.uint8)
+        for tensor, posted in ((large, False), (below, True)):
+            prepared = [prepare_tensor(tensor, {}, "p", is_request=False)]
+            frame = conn.frame_to_post(Kind.REPLY, 1, b"reply", prepared)
+            assert (frame is not None) == posted, tensor.numel()
+        conn.outbox.close()

@@ -50,9 +50,10 @@ __all__ = ["KEEPALIVES", "POSTED_BYTES", "SMALL_PAYLOAD", "Connection", "prepare
 
 SMALL_PAYLOAD: Final = 1 << 16
 #: A reply whose payload and tensors sent inline (not through shared memory) total at most this
-#: many bytes can be posted whole to the outbox (see :meth:`Connection.frame_to_post`); below
-#: :data:`.lane.LANE_MIN_BYTES`, so a tensor that a second connection would speed up keeps it.
-POSTED_BYTES: Final = 4 << 20
+#: many bytes can be posted whole to the outbox (see :meth:`Connection.frame_to_post`), unless
+#: one of those tensors is of :data:`.lane.LANE_MIN_BYTES` or more (a second connection would
+#: speed it up).
+POSTED_BYTES: Final = 16 << 20
 """Payloads up to this size go out in one ``sendall`` with their header."""
 # A lane is attached on this end once the dialler's confirmation is read: a frame that uses it
 # may come first.
@@ -224,10 +225,8 @@ class Connection:
         the tensors that do not go through shared memory) is at most :data:`POSTED_BYTES`; None
         otherwise (send it with :meth:`write`). :class:`FrameError` as :meth:`write`."""
         shm = self.shm
-        inline = len(payload) + sum(
-            desc.nbytes for desc, _ in prepared if shm is None or desc.nbytes < SHM_MIN_BYTES
-        )
-        if inline > POSTED_BYTES:
+        inline_sizes = [desc.nbytes for desc, _ in prepared if shm is None or desc.nbytes < SHM_MIN_BYTES]
+        if len(payload) + sum(inline_sizes) > POSTED_BYTES or any(n >= LANE_MIN_BYTES for n in inline_sizes):
             return None
         if shm is not None and any(desc.nbytes >= SHM_MIN_BYTES for desc, _ in prepared):
             # Checked before any shared-memory file is made, as in write.

@@ -4,7 +4,7 @@ A reader thread that waited to send a reply would stop reading its
 connection; were the peer's reader waiting likewise, neither socket would
 ever drain again (both buffers full, both readers blocked in ``send``: two
 workers calling each other at once deadlocked so). Readers therefore post
-their replies here (those carrying up to 4 MiB inline, see
+their replies here (those carrying up to 16 MiB inline, see
 :mod:`tensorpipe_backend.requests`): :meth:`Outbox.post` waits neither for the connection's
 ``send_lock`` nor for the peer to read. What the socket does not take at
 once stays queued, in order, and goes out before any other frame: a thread

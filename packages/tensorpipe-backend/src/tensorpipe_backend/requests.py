@@ -5,8 +5,9 @@ When none of the peer's requests waits, the reader thread calls the handler
 itself; otherwise the request waits in the peer's strand
 (:mod:`tensorpipe_backend.strands`). Replies go through the connection's
 outbox, which never waits (:mod:`tensorpipe_backend.outbox`), unless what they
-carry inline (not through shared memory) exceeds 4 MiB or the outbox holds
-16 MiB already; the reader of
+carry inline (not through shared memory) exceeds 16 MiB, includes a tensor a
+second connection would carry (8 MiB or more, to another host) or would
+take the outbox past 16 MiB; the reader of
 their connection, with more frames at hand, keeps small ones for one write
 after the others.
 """
