@@ -15,7 +15,8 @@ The second round's figures are measured against limits: our DDP step over
 the same step with no communication, DDP at 4 ranks, rpc_sync against a raw
 socket round trip in the same processes, a parameter server (8 trainers, with
 the ranks in the benchmark's session and each in a session of its own as
-torchrun starts them, and 1 trainer for context).
+torchrun starts them, and 1 trainer for context), and what importing our RPC
+packages costs beyond ``import torch`` (bench/bench_import.py).
 ``--scale`` adds 24 RPC workers on one host (bench/bench_scale.py) and
 ``--two-hosts`` a 64 MiB echo between two network namespaces (root;
 bench/bench_hosts.py). ``--only framing-c`` runs an experiment: rpc_sync
@@ -45,6 +46,7 @@ from bench_continue import continue_figures
 from bench_framing_c import framing_c_figures
 from bench_fsdp import fsdp_figures
 from bench_hosts import two_host_figures
+from bench_import import import_figures
 from bench_lightning import lightning_figures
 from bench_recorder import recorder_figures
 from bench_rpc import ps_figures, rpc_figures
@@ -406,6 +408,7 @@ SECTIONS: dict[str, Callable[[int, bool], list[Figure]]] = {
     "lightning": lightning_figures,
     "rpc": rpc_figures,
     "ps": ps_figures,
+    "import": import_figures,
     "scale": lambda rounds, quick: scale_figures(),
     "two-hosts": two_host_figures,
     "framing-c": framing_c_figures,
@@ -462,7 +465,7 @@ def main(argv: list[str]) -> int:
             parser.error(f"--only: unknown sections {unknown}; choose from {','.join(SECTIONS)}")
     else:
         sections = ["ddp", "continue", "fsdp", "overlap", "lightning"] + (
-            [] if args.ddp_only else ["rpc", "ps"]
+            [] if args.ddp_only else ["rpc", "ps", "import"]
         )
         sections += (["scale"] if args.scale else []) + (["two-hosts"] if args.two_hosts else [])
     load = [_uptime()]
