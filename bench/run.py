@@ -33,13 +33,10 @@ run is named in the table with the reason; it never fails the run.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +58,6 @@ from peers.runner import PEERS, run_peers
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_join import DistributedDataParallel
-from join_core.dump import DUMP_DIR_VARIABLE
 from join_core.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -424,21 +420,6 @@ def _uptime() -> str:
         return "load average " + ", ".join(loadavg.read().split()[:3])
 
 
-@contextlib.contextmanager
-def _dumps_kept_apart() -> Iterator[None]:
-    """The dumps of the ranks the benchmark loses on purpose go to a temporary directory, removed
-    after the run (unless ``JOIN_CORE_DUMP_DIR`` chooses where they go)."""
-    if os.environ.get(DUMP_DIR_VARIABLE):
-        yield
-        return
-    with tempfile.TemporaryDirectory(prefix="bench-dumps-") as directory:
-        os.environ[DUMP_DIR_VARIABLE] = directory
-        try:
-            yield
-        finally:
-            del os.environ[DUMP_DIR_VARIABLE]
-
-
 def _peers(keys: list[str], rounds: int, quick: bool) -> int:
     """The peers' benchmark: written to bench/results-peers.md; 0 however the peers fared."""
     load = [_uptime()]
@@ -488,8 +469,7 @@ def main(argv: list[str]) -> int:
         )
         sections += (["scale"] if args.scale else []) + (["two-hosts"] if args.two_hosts else [])
     load = [_uptime()]
-    with _dumps_kept_apart():
-        figures = [f for section in sections for f in SECTIONS[section](args.rounds, args.quick)]
+    figures = [f for section in sections for f in SECTIONS[section](args.rounds, args.quick)]
     load.append(_uptime())
     table = write_results(figures, args.rounds, ROOT / "bench", load)
     print(table)

@@ -43,6 +43,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import venv
@@ -306,15 +307,33 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
-def _run_here(cmd: list[str]) -> int:
+def _run_here(cmd: list[str], private_tmp: bool = False) -> int:
     """Run a Python command on this terminal (no pipe), so that it can draw live output.
 
     SIGTERM and SIGHUP are passed on to it, and it gets SIGTERM if this process
     dies: it stops with this one (the demo then kills its ranks). Ctrl-C
     reaches it from the terminal; this process waits for it to finish and
-    returns its exit status, without a traceback of its own.
+    returns its exit status, without a traceback of its own. With
+    ``private_tmp``, its ``TMPDIR`` is a new directory removed after it (where
+    ranks lost on purpose leave their dumps and torchrun its logs).
     """
-    proc = subprocess.Popen([cmd[0], "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd], cwd=ROOT, env=_env())
+    env = _env()
+    tmp = None
+    if private_tmp:
+        tmp = Path(tempfile.mkdtemp(prefix="dev-run-"))
+        tmp.chmod(0o1777)  # as /tmp: some runs drop to another user
+        env["TMPDIR"] = str(tmp)
+    try:
+        return _wait_here(
+            subprocess.Popen([cmd[0], "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd], cwd=ROOT, env=env)
+        )
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_here(proc: subprocess.Popen[bytes]) -> int:
+    """Wait for ``proc`` as :func:`_run_here` says; its exit status."""
 
     def forward(signum: int, frame: object) -> None:
         proc.send_signal(signum)
@@ -338,11 +357,11 @@ def demo(args: list[str]) -> int:
 
 
 def bench(args: list[str]) -> int:
-    return _run_here([str(ensure("run")), "bench/run.py", *args])
+    return _run_here([str(ensure("run")), "bench/run.py", *args], private_tmp=True)
 
 
 def suites(args: list[str]) -> int:
-    return _run_here([str(ensure("suites")), "tools/torch_suites.py", *args])
+    return _run_here([str(ensure("suites")), "tools/torch_suites.py", *args], private_tmp=True)
 
 
 def docs(args: list[str]) -> int:

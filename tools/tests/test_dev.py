@@ -224,3 +224,16 @@ def test_docs_serve_rebuilds_when_a_packages_source_changes() -> None:
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+def test_a_run_with_a_private_tmp_writes_there_and_the_directory_goes_with_it(tmp_path: Path) -> None:
+    report = tmp_path / "report"
+    program = (
+        "import os, sys, tempfile; d = tempfile.gettempdir(); "
+        "open(os.path.join(d, 'left-behind'), 'w').close(); "
+        "open(sys.argv[1], 'w').write(d + ' ' + oct(os.stat(d).st_mode & 0o7777))"
+    )
+    assert dev._run_here([sys.executable, "-c", program, str(report)], private_tmp=True) == 0
+    directory, mode = report.read_text().split()
+    assert Path(directory).name.startswith("dev-run-") and mode == "0o1777"
+    assert not Path(directory).exists()
