@@ -223,10 +223,11 @@ def main() -> int:
     failures += reference_problems(SITE) + mention_problems(sources())
     failures += not_provided_problems(ROOT / "docs" / "moving-from-torch.md", torch_rpc_left_out())
     print("docs: every example (pytest, sybil)", flush=True)
-    pytest = [sys.executable, "-m", "pytest", "-p", "docs_examples", "-p", "no:cacheprovider", "-v"]
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")])
-    )
+    # private_tmp: the dumps of the ranks an example loses go with the run (tools/pytest_plugins)
+    plugins = ["-p", "docs_examples", "-p", "private_tmp", "-p", "no:cacheprovider"]
+    pytest = [sys.executable, "-m", "pytest", *plugins, "-v"]
+    path = [str(ROOT / "tools"), str(ROOT / "tools" / "pytest_plugins"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     if subprocess.run([*pytest, *map(str, sources())], cwd=ROOT, env=env).returncode != 0:
         failures.append("an example failed (above)")
     for failure in failures:
