@@ -1,6 +1,7 @@
-"""Replies that carry up to a megabyte inline (payload and tensors) leave without the answering
+"""Replies that carry up to 16 MiB inline (payload and tensors) leave without the answering
 thread waiting for the peer to read: a reader that waited would stop reading, and a peer whose
-reader waits likewise would never drain its socket either."""
+reader waits likewise would never drain its socket either. A larger reply's thread leaves the
+reading to another before it waits."""
 
 from __future__ import annotations
 
@@ -67,16 +68,17 @@ class _Connection:
 
 @contextlib.contextmanager
 def _answering(
-    replies: list[bytes], with_tensor: bool
+    replies: list[bytes], with_tensor: bool, leave_reading: Callable[[], None] = lambda: None
 ) -> Iterator[tuple[Requests, _Connection, socket.socket]]:
     """Requests that answer each with the next of ``replies`` (and, ``with_tensor``, a tensor
-    of TENSOR_BYTES holding its first byte), on one end of a socket pair; the peer's end."""
+    of TENSOR_BYTES holding its first byte), on one end of a socket pair; the peer's end.
+    ``leave_reading`` is what the answering thread calls before it may wait for the peer."""
     mine, theirs = socket.socketpair()
     conn = _Connection(mine)
     lock = threading.RLock()
     calls = Calls("me", lock, threading.Condition(lock))
     pool = ThreadPoolExecutor(2)
-    requests = Requests("me", lock, calls, pool, lambda name: {}, Watch())
+    requests = Requests("me", lock, calls, pool, lambda name: {}, Watch(), leave_reading)
     answers = iter(replies)
 
     def handler(peer: Any, message: Message) -> Future[Message]:
@@ -179,3 +181,35 @@ def test_a_reply_whose_tensor_a_second_connection_would_carry_is_not_posted() ->
             frame = conn.frame_to_post(Kind.REPLY, 1, b"reply", prepared)
             assert (frame is not None) == posted, tensor.numel()
         conn.outbox.close()
+
+
+def test_a_reply_too_large_to_post_lets_another_thread_read_before_it_waits_for_the_peer() -> None:
+    # Over 16 MiB, a reply leaves from the answering thread, which waits for the peer to read.
+    replies = [b"small", b"l" * (17 << 20), b"after"]
+    left: list[int] = []
+    with _answering(replies, False, lambda: left.append(conn.outbox.queued_bytes())) as (
+        requests,
+        conn,
+        theirs,
+    ):
+        thread = _answer_all(requests, conn, len(replies))
+        thread.join(timeout=2)
+        assert thread.is_alive(), "17 MiB went out to a peer that does not read"
+        assert left == [0], "the answering thread waits for the peer without leaving the reading first"
+        _read_replies(theirs, replies)
+        thread.join(timeout=10)
+        assert left == [0], "a posted reply made the answering thread leave the reading"
+
+
+def test_replies_held_back_from_a_peer_that_does_not_read_keep_the_reading_where_it_is() -> None:
+    # A peer that reads nothing would make every reply wait in its own thread: those wait in the
+    # answering one (the watch moves reading on), not one new reader each.
+    replies = [bytes([i]) * 3_000_000 for i in range(10)]  # 30 MB, over the 16 MiB queued at most
+    left: list[int] = []
+    with _answering(replies, False, lambda: left.append(1)) as (requests, conn, theirs):
+        thread = _answer_all(requests, conn, len(replies))
+        thread.join(timeout=2)
+        assert thread.is_alive()
+        _read_replies(theirs, replies)
+        thread.join(timeout=10)
+    assert left == []

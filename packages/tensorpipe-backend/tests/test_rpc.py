@@ -45,6 +45,7 @@ from tpb_workers import (
     return_an_rref_of,
     send_to_owner_then_drop,
     serve,
+    set_stuck_ticks,
     sleep_then,
     spawned,
     whoami,
@@ -286,6 +287,21 @@ def test_two_workers_flooding_each_other_with_calls_never_deadlock() -> None:
     assert echo_flood("w1", 64, 60_000) == 64
     assert crossing.wait() == 64
     assert rpc_sync("w1", sleep_then, args=(0.0, 3), timeout=5) == 3
+
+
+def test_crossing_replies_too_large_to_post_never_deadlock_even_without_the_watch() -> None:
+    # A reply over 16 MiB inline leaves from the answering reader itself, which waits for the peer
+    # to read it, as the peer's reader may for its own: each hands its reading to another thread
+    # first, not only when the watch relieves it. With the watch off, only that keeps both reading.
+    ticks = rpc_sync("w1", set_stuck_ticks, args=(1 << 30,))
+    assert set_stuck_ticks(1 << 30) == ticks
+    try:
+        crossing = rpc_async("w1", echo_flood, args=("w0", 3, 20_000_000), timeout=40)
+        assert echo_flood("w1", 3, 20_000_000) == 3
+        assert crossing.wait() == 3
+    finally:
+        set_stuck_ticks(ticks)
+        rpc_sync("w1", set_stuck_ticks, args=(ticks,))
 
 
 def test_calls_from_one_worker_are_handled_in_order() -> None:

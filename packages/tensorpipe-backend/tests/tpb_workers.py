@@ -446,6 +446,15 @@ def echo_flood(via: str, count: int, size: int) -> int:
     return sum(future.wait() == blob for future in futures)
 
 
+def set_stuck_ticks(ticks: int) -> int:
+    """Make this worker's watch relieve a busy thread after ``ticks`` ticks; the former number."""
+    import tensorpipe_backend.watch
+
+    previous = tensorpipe_backend.watch.STUCK_TICKS
+    tensorpipe_backend.watch.STUCK_TICKS = ticks  # type: ignore[misc]
+    return previous
+
+
 def _outcome(future: Future[int]) -> int | str:
     try:
         return future.wait()

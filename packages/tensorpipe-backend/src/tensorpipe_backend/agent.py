@@ -162,7 +162,9 @@ class TensorPipeAgent:
         self._rounds: GroupRounds | None = None
         self._calls = calls = Calls(name, lock, self._cond)
         self._watch = watch = Watch()
-        self._requests = Requests(name, lock, calls, self._pool, self._reverse_map, watch)
+        self._requests = Requests(
+            name, lock, calls, self._pool, self._reverse_map, watch, self._leave_reading
+        )
         self._readers = Readers(
             name,
             self._cuda_count,
@@ -518,6 +520,14 @@ class TensorPipeAgent:
             self._calls.claim(conn, msg_id)
             raise
 
+    def _leave_reading(self) -> None:
+        """Where this thread is a reader processing a frame and may now wait (for a reply, or for
+        a peer to read what it sends), another thread takes over the reading of its connection."""
+        current = getattr(reading, "reading", None)
+        if current is not None:
+            reading.reading = None
+            self._readers.hand_off(*current)
+
     def _send(
         self, to: WorkerInfo, message: Message, timeout: float, sink: ReplySink
     ) -> tuple[Connection, int] | None:
@@ -525,11 +535,7 @@ class TensorPipeAgent:
         the error)."""
         if self._closed:
             raise RuntimeError(f"{self._me.name}: the agent is shut down; call init_rpc() again to send")
-        current = getattr(reading, "reading", None)
-        if current is not None:
-            # A reader thread calling out will likely wait for the reply: another thread reads meanwhile.
-            reading.reading = None
-            self._readers.hand_off(*current)
+        self._leave_reading()  # a reader calling out will likely wait for the reply
         if getattr(running, "strand", None) is not None:
             call_out()  # likewise, another thread runs the later requests of the peer whose request calls out
         calls = self._calls

@@ -68,8 +68,10 @@ class Requests:
         pool: ThreadPoolExecutor,
         reverse_map: Callable[[str], DeviceMap],
         watch: Watch,
+        leave_reading: Callable[[], None],
     ) -> None:
         self._me = me
+        self._leave_reading = leave_reading
         self._lock = lock
         self._calls = calls
         self._pool = pool
@@ -151,11 +153,19 @@ class Requests:
                         prepare_tensor(t, reverse, conn.peer.name, is_request=False) for t in message.tensors
                     ]
                 frame = None
-                if len(conn.outbox) < _POSTED_FRAMES:
+                too_many = len(conn.outbox) >= _POSTED_FRAMES
+                if not too_many:
                     frame = conn.frame_to_post(Kind.REPLY, msg_id, message.payload, prepared)
                 if frame is not None and conn.outbox.queued_bytes() + len(frame) > _POSTED_QUEUE_BYTES:
-                    frame = None  # the peer does not read: wait with it (the watch moves reading on)
+                    frame, too_many = (
+                        None,
+                        True,
+                    )  # the peer does not read: wait with it (the watch moves reading on)
                 if frame is None:
+                    if not too_many:
+                        # Too large to post: this reader may wait for the peer to read it, as the
+                        # peer's reader may for this side (replies crossing): another reads meanwhile.
+                        self._leave_reading()
                     conn.write(Kind.REPLY, msg_id, message.payload, prepared)
                 elif not conn.closed:
                     conn.outbox.post(frame)
