@@ -37,6 +37,14 @@ NOBODY = 65534
 SESSION = "rpc_session_1/"
 
 
+@pytest.fixture(autouse=True)
+def secret_files_go_with_each_test() -> Iterator[None]:
+    """The files this process's secrets were written to are removed after each test (a worker's
+    last until it exits), so the tests leave none behind."""
+    yield
+    secret_file._remove_all()
+
+
 def serve_without_token(
     name: str, rank: int, world_size: int, init_method: str, results: Any, done: Any, insecure: bool = False
 ) -> None:
