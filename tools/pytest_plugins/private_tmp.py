@@ -21,7 +21,9 @@ import pytest
 
 #: Entries of the run's directory listed at most in the summary.
 _LISTED = 10
-_PYTEST_BASE = "pytest-of-"  # pytest's own tmp_path folders, not a leak
+#: Names of what is made there by design, not leaks: pytest's own ``tmp_path`` folders, and
+#: torch's compile cache (``torchinductor_<user>``, made when ``torch._inductor`` is imported).
+_NOT_LEAKS = ("pytest-of-", "torchinductor_")
 
 
 class PrivateTmp:
@@ -37,8 +39,8 @@ class PrivateTmp:
         tempfile.tempdir = None  # gettempdir() reads TMPDIR anew
 
     def left(self) -> list[str]:
-        """The entries left in the run's directory, pytest's own excepted."""
-        return sorted(p.name for p in self.path.iterdir() if not p.name.startswith(_PYTEST_BASE))
+        """The entries left in the run's directory, those made by design excepted."""
+        return sorted(p.name for p in self.path.iterdir() if not p.name.startswith(_NOT_LEAKS))
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         left = self.left()

@@ -21,6 +21,7 @@ def test_writes_temporary_files(tmp_path):
     assert run_dir != Path(OUTER) and run_dir.parent == Path(OUTER)
     assert oct(run_dir.stat().st_mode & 0o7777) == "0o1777"
     (tmp_path / "pytest-own").write_text("x")
+    (run_dir / "torchinductor_someone").mkdir()  # torch's compile cache
     Path(tempfile.mkdtemp(prefix="made-here-")).joinpath("dump.json").write_text("{}")
     code = "import tempfile; tempfile.mkstemp(prefix='made-by-a-child-')"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -40,6 +41,7 @@ def test_a_runs_temporary_files_are_listed_then_removed(tmp_path: Path) -> None:
     assert "left in the temporary directory (removed now)" in run.stdout
     listed = next(line for line in run.stdout.splitlines() if line.startswith("2 entries: "))
     assert "made-by-a-child-" in listed and "made-here-" in listed and "pytest-of-" not in listed
+    assert "torchinductor_" not in listed
     run_dir = Path((outer / "run-dir").read_text())
     assert not run_dir.exists()
     assert sorted(p.name for p in outer.iterdir()) == ["run-dir"]
