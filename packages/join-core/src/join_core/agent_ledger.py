@@ -67,6 +67,7 @@ class Ledger:
         self._judged_at = -float("inf")
         self._seen: dict[int, tuple[int, float]] = {}  # agent -> (its beat, when it last moved)
         self._lost_agents: set[int] = set()
+        self._unclaimed_owed = False  # a lost agent had not said which ranks it runs
         ranks = [worker.global_rank for worker in worker_group.workers]
         self._store.set(self._ranks_key(self._group_rank), json.dumps(ranks))
 
@@ -153,22 +154,40 @@ class Ledger:
                 "workers (ranks %s) count as lost (torch's exit barrier then waits %.0f s for it in vain)",
                 agent,
                 quiet,
-                ", ".join(map(str, ranks)) or "unknown",
+                ", ".join(map(str, ranks)) or "unknown: those no agent claims",
                 EXIT_BARRIER_TIMEOUT,
             )
-            for rank in ranks:
-                if not self._store.check([self._end_key(rank)]):
-                    self._publish(
-                        WorkerEnd(
-                            rank,
-                            -1,
-                            f"the host of agent {agent}",  # its local rank is not known
-                            -1,
-                            UNKNOWN_EXIT,
-                            "lost",
-                            f"its agent stopped answering for {quiet:.0f} s (its host went down?)",
-                        )
-                    )
+            if not ranks:
+                self._unclaimed_owed = True  # it went down before it wrote them
+            reason = f"its agent stopped answering for {quiet:.0f} s (its host went down?)"
+            self._publish_lost(ranks, f"the host of agent {agent}", reason)
+        if self._unclaimed_owed:
+            unclaimed = self._unclaimed_ranks()
+            if unclaimed is not None:
+                self._unclaimed_owed = False
+                reason = (
+                    "its agent stopped answering before it said which ranks it runs (its host went down?)"
+                )
+                self._publish_lost(unclaimed, "the host of a lost agent", reason)
+
+    def _publish_lost(self, ranks: list[int], host: str, reason: str) -> None:
+        for rank in ranks:
+            if not self._store.check([self._end_key(rank)]):
+                self._publish(
+                    WorkerEnd(rank, -1, host, -1, UNKNOWN_EXIT, "lost", reason)
+                )  # local rank unknown
+
+    def _unclaimed_ranks(self) -> list[int] | None:
+        """The job's ranks that no agent's record claims, once every agent without a record is
+        lost (they are the ranks of those agents); None while an agent without one may still write it."""
+        claimed: set[int] = set()
+        for agent in range(self._agents):
+            if not self._store.check([self._ranks_key(agent)]):
+                if agent not in self._lost_agents:
+                    return None
+                continue
+            claimed.update(self._agent_ranks(agent))
+        return [rank for rank in range(self._world_size) if rank not in claimed]
 
     def _agent_ranks(self, agent: int) -> list[int]:
         key = self._ranks_key(agent)
