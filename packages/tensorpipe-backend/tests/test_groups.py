@@ -10,7 +10,9 @@ own dynamic join hands every member the joiner's reverse maps instead.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +25,8 @@ from tpb_workers import (
     free_port,
     init_reporting_error,
     init_then_shut_down,
+    join_holding_the_membership_token_forever,
+    join_then_leave_when_told,
     look_up_a_record_removed_meanwhile,
     options,
     spawned,
@@ -91,6 +95,23 @@ def test_first_dynamic_member_alone_can_call_itself() -> None:
         assert rpc_sync("solo", whoami) == "solo"
     finally:
         shutdown(graceful=True, timeout=10.0)
+
+
+def test_a_joiner_killed_holding_the_membership_token_blocks_neither_joins_nor_leaves() -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    holding, go, results = CONTEXT.Event(), CONTEXT.Event(), CONTEXT.Queue()
+    with spawned([(join_then_leave_when_told, ("d0", 0, init_method, results, go))]):
+        assert results.get(timeout=30) == ("joined", "d0")
+        with spawned([(join_holding_the_membership_token_forever, ("j", 1, init_method, holding))]) as (
+            joiner,
+        ):
+            assert holding.wait(30) and joiner.pid is not None
+            os.kill(joiner.pid, signal.SIGKILL)
+            joiner.join(10)
+        with spawned([(init_then_shut_down, ("k", 2, None, init_method, results))]):
+            assert results.get(timeout=30)[0] == "k"  # joined, then left within 10 s
+        go.set()  # d0 leaves, with no time limit
+        assert results.get(timeout=30) == ("left", "d0", ["d0"])
 
 
 def test_shutdown_right_after_init_does_not_time_out() -> None:

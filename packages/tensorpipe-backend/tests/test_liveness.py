@@ -134,3 +134,37 @@ def test_the_membership_token_of_a_lost_worker_is_taken_over() -> None:
     assert members(store) == ["d0"]
     with membership_token(store, "d0", 0.2):  # given back
         pass
+
+
+def _held_by_d2_at(port: int) -> HashStore:
+    """A group whose membership token d2 took, telling it listens on 127.0.0.1:``port``."""
+    store = _group(_record("d0", 0, 1000), _record("d2", 2, 1002))
+    with membership_token(store, "d2", 0.2, address=("127.0.0.1", port)):
+        held = store.get("tensorpipe_backend/token").decode()
+    store.compare_set("tensorpipe_backend/token", "", held)  # d2 died while joining or leaving
+    return store
+
+
+def test_the_membership_token_of_a_worker_whose_address_nobody_listens_on_is_taken_over(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with socket.socket() as gone:
+        gone.bind(("127.0.0.1", 0))
+        port = gone.getsockname()[1]  # closed below: nobody listens there any more
+    store = _held_by_d2_at(port)
+    with membership_token(store, "d0", 10.0, address=("127.0.0.1", 1000)):
+        assert json.loads(store.get("tensorpipe_backend/token"))["holder"] == "d0"
+    assert (
+        f"takes over the membership token of 'd2', which no longer listens at 127.0.0.1:{port}" in caplog.text
+    )
+    with membership_token(store, "d0", 0.2):  # given back
+        pass
+
+
+def test_the_membership_token_of_a_worker_that_still_listens_is_waited_for() -> None:
+    with socket.socket() as alive:
+        alive.bind(("127.0.0.1", 0))
+        alive.listen()
+        store = _held_by_d2_at(alive.getsockname()[1])
+        with pytest.raises(TimeoutError, match=r"held by 'd2'"), membership_token(store, "d0", 2.5):
+            pass

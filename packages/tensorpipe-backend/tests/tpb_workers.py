@@ -192,6 +192,31 @@ def serve_until(name: str, rank: int, world_size: int, init_method: str, done: A
     shutdown(graceful=False)
 
 
+def join_holding_the_membership_token_forever(name: str, rank: int, init_method: str, holding: Any) -> None:
+    """Join the dynamic group and stop right after taking its membership token (``holding`` is set
+    then), as a worker killed while joining would leave it."""
+    import tensorpipe_backend.agent
+
+    def hold(store: Any) -> bool:
+        holding.set()
+        time.sleep(120)
+        return False
+
+    tensorpipe_backend.agent.static_group_met = hold  # type: ignore[attr-defined]
+    init_rpc(name, backend(), rank, None, options(init_method))
+
+
+def join_then_leave_when_told(name: str, rank: int, init_method: str, results: Any, go: Any) -> None:
+    """Join the dynamic group, report ``("joined", name)``, and when ``go`` is set shut down
+    gracefully with no time limit; report ``("left", name, the members it saw before)``."""
+    init_rpc(name, backend(), rank, None, options(init_method))
+    results.put(("joined", name))
+    go.wait(60)
+    seen = sorted(info.name for info in get_current_agent().get_worker_infos())
+    shutdown(graceful=True)
+    results.put(("left", name, seen))
+
+
 def init_then_shut_down(name: str, rank: int, world_size: int, init_method: str, results: Any) -> None:
     """Join a static group and shut down gracefully at once; report how long the shutdown took."""
     init_rpc(name, backend(), rank, world_size, options(init_method))

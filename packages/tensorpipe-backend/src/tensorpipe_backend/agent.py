@@ -304,7 +304,7 @@ class TensorPipeAgent:
 
     def _join_dynamic(self, record: WorkerRecord) -> None:
         store, timeout = self._store, self._init_timeout
-        with membership_token(store, record.name, timeout):
+        with membership_token(store, record.name, timeout, address=(record.host, record.port)):
             if static_group_met(store):
                 raise RuntimeError(_MIXED_GROUP + f": {record.name} came without world_size")
             current = members(store)
@@ -730,7 +730,7 @@ class TensorPipeAgent:
         """Take the lost worker of ``record`` out of the dynamic group in the store."""
         try:
             removed = remove_lost_member(
-                self._store, self._me.name, record, self._init_timeout, self._lost_holder
+                self._store, self._me.name, record, self._init_timeout, self._lost_holder, self.address
             )
         except (RuntimeError, OSError, ValueError, TimeoutError) as exc:
             logger.warning(
@@ -799,7 +799,7 @@ class TensorPipeAgent:
     def _leave(self, deadline: float | None) -> None:
         timeout = 0.0 if deadline is None else max(deadline - time.monotonic(), 0.001)
         try:
-            with membership_token(self._store, self._me.name, timeout, self._lost_holder):
+            with membership_token(self._store, self._me.name, timeout, self._lost_holder, self.address):
                 set_members(self._store, [n for n in members(self._store) if n != self._me.name])
                 self._store.delete_key(record_key(self._me.name))
         except TimeoutError:

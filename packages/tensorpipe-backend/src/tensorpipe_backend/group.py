@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,6 +51,9 @@ _FIRST_POLL: Final = 0.002
 _POLL: Final = 0.2
 _MAX_FAILURE_TEXT: Final = 2000
 _UNLIMITED: Final = 3600.0 * 24
+# A worker waiting for the membership token asks whether its holder still listens after this many
+# seconds on one holding, and again as often.
+_ASK_HOLDER_EVERY: Final = 1.0
 
 
 def record_key(name: str) -> str:
@@ -245,27 +249,46 @@ def set_members(store: Store, names: list[str]) -> None:
 
 @contextmanager
 def membership_token(
-    store: Store, holder: str, timeout: float, lost: Callable[[str], bool] | None = None
+    store: Store,
+    holder: str,
+    timeout: float,
+    lost: Callable[[str], bool] | None = None,
+    address: tuple[str, int] | None = None,
 ) -> Iterator[None]:
     """Hold the dynamic group's token, so that joins and leaves happen one at a time.
 
-    A token held by a worker judged lost (``lost(holder)``) is taken over:
-    that worker will not give it back.
+    ``address`` is where the holder listens, written with the token. A token
+    whose holder is a worker judged lost (``lost(holder)``), or that was held
+    for a second by a worker at whose address nobody listens any more (its
+    process ended), is taken over: that worker will not give it back.
     """
+    mine = _token_value(holder, address)
     deadline = time.monotonic() + _seconds(timeout)
     delay = 0.005
+    seen, ask_at = "", 0.0
     while True:
-        current = store.compare_set(_TOKEN_KEY, "", holder).decode()
-        if current == holder:
+        current = store.compare_set(_TOKEN_KEY, "", mine).decode()
+        if current == mine:
             break
-        if lost is not None and current and lost(current):
-            logger.warning("%s: takes over the membership token of %r, which was lost", holder, current)
-            if store.compare_set(_TOKEN_KEY, current, holder).decode() == holder:
+        name, where = _token_holder(current)
+        now = time.monotonic()
+        if current != seen:
+            seen, ask_at = current, now + _ASK_HOLDER_EVERY
+        why = None
+        if current and lost is not None and lost(name):
+            why = "was lost"
+        elif where is not None and now >= ask_at:
+            ask_at = now + _ASK_HOLDER_EVERY
+            if _nobody_listens(where):
+                why = f"no longer listens at {where[0]}:{where[1]}: its process ended"
+        if why is not None:
+            logger.warning("%s: takes over the membership token of %r, which %s", holder, name, why)
+            if store.compare_set(_TOKEN_KEY, current, mine).decode() == mine:
                 break
             continue
-        if time.monotonic() > deadline:
+        if now > deadline:
             raise TimeoutError(
-                f"{holder}: waited {timeout:g} s for the group membership token, held by {current!r}; "
+                f"{holder}: waited {timeout:g} s for the group membership token, held by {name!r}; "
                 "that worker may have died while joining or leaving"
             )
         time.sleep(delay)
@@ -273,11 +296,46 @@ def membership_token(
     try:
         yield
     finally:
-        store.compare_set(_TOKEN_KEY, holder, "")
+        store.compare_set(_TOKEN_KEY, mine, "")
+
+
+def _token_value(holder: str, address: tuple[str, int] | None) -> str:
+    if address is None:
+        return holder
+    return json.dumps({"holder": holder, "host": address[0], "port": address[1]})
+
+
+def _token_holder(value: str) -> tuple[str, tuple[str, int] | None]:
+    """Who holds the token of ``value``, and where it listens (None: not told)."""
+    if value.startswith("{"):
+        try:
+            raw = json.loads(value)
+            return str(raw["holder"]), (str(raw["host"]), int(raw["port"]))
+        except (ValueError, KeyError, TypeError):
+            pass
+    return value, None
+
+
+def _nobody_listens(address: tuple[str, int]) -> bool:
+    """Whether a connection to ``address`` is refused (a listening worker accepts it; it is closed
+    at once, before any byte, as a client that hangs up)."""
+    try:
+        sock = socket.create_connection(address, timeout=_ASK_HOLDER_EVERY)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # unreachable or slow: not proof that it ended
+    sock.close()
+    return False
 
 
 def remove_lost_member(
-    store: Store, me: str, record: WorkerRecord, timeout: float, lost: Callable[[str], bool]
+    store: Store,
+    me: str,
+    record: WorkerRecord,
+    timeout: float,
+    lost: Callable[[str], bool],
+    address: tuple[str, int] | None = None,
 ) -> bool:
     """Take the lost worker of ``record`` out of the dynamic group: out of the member list, and its
     record out of the store (so that its name is free to join again); whether this call did.
@@ -286,10 +344,11 @@ def remove_lost_member(
     name now belongs to another worker (one that joined under it since), or
     when ``me`` is no longer a member itself (its peers judged *it* lost:
     ``RuntimeError``). Holds the membership token (``lost`` tells whose token
-    may be taken over) for at most ``timeout`` seconds.
+    may be taken over; ``address`` is where ``me`` listens) for at most
+    ``timeout`` seconds.
     """
     key = record_key(record.name)
-    with membership_token(store, f"{me} (removing {record.name})", timeout, lost):
+    with membership_token(store, f"{me} (removing {record.name})", timeout, lost, address):
         names = members(store)
         if me not in names:
             raise RuntimeError(
