@@ -188,6 +188,34 @@ def test_shutdown_allows_a_new_session(tcp: str) -> None:
         shutdown(timeout=10.0)
 
 
+def test_a_dynamic_group_is_one_session_for_every_worker_that_joins_its_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rpc_registry.rendezvous import rendezvous_store
+
+    url = f"file://{tmp_path / 'store'}"
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    first, _, _ = rendezvous_store(url, 1, None, 5.0, timeout=10.0)
+    first.set("member", "w")
+    # The same rank again (a new process taking it, or this one after leaving), and another rank.
+    for rank in (1, 1, 2):
+        again, _, _ = rendezvous_store(url, rank, None, 5.0, timeout=10.0)
+        assert again.check(["member"]), f"rank {rank} came to another session"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun started every worker again
+    restarted, _, _ = rendezvous_store(url, 1, None, 5.0, timeout=10.0)
+    assert not restarted.check(["member"])
+
+
+def test_each_start_of_a_static_group_is_a_session_of_its_own(tmp_path: Path) -> None:
+    from rpc_registry.rendezvous import rendezvous_store
+
+    url = f"file://{tmp_path / 'store'}"
+    first, _, _ = rendezvous_store(url, 0, 1, 5.0, timeout=10.0)
+    first.set("member", "w")
+    again, _, _ = rendezvous_store(url, 0, 1, 5.0, timeout=10.0)
+    assert not again.check(["member"])
+
+
 def test_rank_above_zero_waits_for_the_store_to_listen_then_connects() -> None:
     from rpc_registry.rendezvous import _await_store
 

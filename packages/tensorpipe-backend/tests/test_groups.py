@@ -25,6 +25,7 @@ from tpb_workers import (
     free_port,
     init_reporting_error,
     init_then_shut_down,
+    join_call_then_leave,
     join_holding_the_membership_token_forever,
     join_then_leave_when_told,
     look_up_a_record_removed_meanwhile,
@@ -111,6 +112,20 @@ def test_a_joiner_killed_holding_the_membership_token_blocks_neither_joins_nor_l
         with spawned([(init_then_shut_down, ("k", 2, None, init_method, results))]):
             assert results.get(timeout=30)[0] == "k"  # joined, then left within 10 s
         go.set()  # d0 leaves, with no time limit
+        assert results.get(timeout=30) == ("left", "d0", ["d0"])
+
+
+def test_a_worker_taking_a_departed_workers_rank_or_coming_back_joins_the_same_group() -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    go, results = CONTEXT.Event(), CONTEXT.Queue()
+    with spawned([(join_then_leave_when_told, ("d0", 0, init_method, results, go))]):
+        assert results.get(timeout=30) == ("joined", "d0")
+        # One process joins, leaves and joins again; then a new one takes its rank and name.
+        for times in (2, 1):
+            with spawned([(join_call_then_leave, ("w", 1, init_method, "d0", results, times))]):
+                for _ in range(times):
+                    assert results.get(timeout=30) == (["d0", "w"], "no error")
+        go.set()
         assert results.get(timeout=30) == ("left", "d0", ["d0"])
 
 

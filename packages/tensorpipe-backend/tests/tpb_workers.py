@@ -217,6 +217,18 @@ def join_then_leave_when_told(name: str, rank: int, init_method: str, results: A
     results.put(("left", name, seen))
 
 
+def join_call_then_leave(
+    name: str, rank: int, init_method: str, to: str, results: Any, times: int = 1
+) -> None:
+    """``times`` over: join the dynamic group, report the members this worker sees and what ``to``
+    answers to ``whoami``, leave."""
+    for _ in range(times):
+        init_rpc(name, backend(), rank, None, options(init_method))
+        seen = sorted(info.name for info in get_current_agent().get_worker_infos())
+        results.put((seen, _error_text(lambda: rpc_sync(to, whoami)) if to != name else "no error"))
+        shutdown(graceful=True, timeout=10.0)
+
+
 def init_then_shut_down(name: str, rank: int, world_size: int, init_method: str, results: Any) -> None:
     """Join a static group and shut down gracefully at once; report how long the shutdown took."""
     init_rpc(name, backend(), rank, world_size, options(init_method))

@@ -267,13 +267,25 @@ def rendezvous_store(
         else:
             store, rank, world_size = next(rendezvous(url, rank=rank, world_size=world_size, timeout=limit))
     store.set_timeout(timedelta(seconds=rpc_timeout if rpc_timeout > 0 else UNLIMITED_INIT_S))
-    # Each rank counts its own sessions in the store itself, so workers that all start again
-    # agree, and a fresh store (a fresh group) starts from 1 whatever a process did before.
-    session = store.add(f"rpc_registry/sessions/rank{rank}", 1)
-    prefixed = PrefixStore(f"rpc_session_{session}", store)
+    prefixed = PrefixStore(f"rpc_session_{_session(store, rank, world_size)}", store)
     if world_size is not None:
         _await_arrivals(prefixed, rank, world_size, started + timeout, started, url)
     return prefixed, rank, world_size
+
+
+def _session(store: Store, rank: int, world_size: int | None) -> str:
+    """The name of the keys of this worker's session in ``store``.
+
+    In a static group each rank counts its own sessions in the store itself, so
+    workers that all start again agree, and a fresh store (a fresh group) starts
+    from 1 whatever a process did before. A dynamic group is one session for as
+    long as its store lives: a worker that joins it (a new process, one that
+    takes a departed worker's rank, or one that left and comes back) meets its
+    members there; when torchrun starts every worker again, they start a new one.
+    """
+    if world_size is None:
+        return f"dynamic_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return str(store.add(f"rpc_registry/sessions/rank{rank}", 1))
 
 
 def _await_arrivals(
