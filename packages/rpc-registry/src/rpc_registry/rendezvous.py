@@ -9,8 +9,9 @@ which is the limit of one call: a worker that starts late is waited for.
 The wait is not silent: every few seconds a warning names the ranks still
 missing, and a worker that never comes is named at the end (``rank 2 never
 arrived``). Other URLs (``file://``) go through
-``torch.distributed.rendezvous`` with the same limit. Successive sessions
-on one store use separate keys.
+``torch.distributed.rendezvous`` with the same limit. Successive starts of
+a static group on one store use separate keys; a dynamic group is one
+session for as long as its store lives.
 
 Rank 0 hands the store a listening socket of its own, on the URL's IPv4
 address only. torch's store would listen on every interface, IPv6
