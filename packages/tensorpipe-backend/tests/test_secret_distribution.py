@@ -406,3 +406,58 @@ def test_a_forked_child_that_exits_leaves_its_parents_secret_file(monkeypatch: p
             os._exit(0)
     os.waitpid(pid, 0)
     assert path.exists()
+
+
+def _files_and_helpers() -> tuple[list[Path], list[Any]]:
+    """The secret files this process made and still keeps, and their removal helpers still running."""
+    made = list(secret_file._made.values())
+    return [m.path for m in made if m.path.exists()], [
+        m.reaper for m in made if m.reaper and m.reaper.poll() is None
+    ]
+
+
+def _static_solo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    init_rpc("solo", backend(), 0, 1, options(f"tcp://127.0.0.1:{free_port()}", auth_token=None))
+
+
+def test_a_static_groups_secret_file_and_its_helper_go_with_the_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for _ in range(2):
+        _static_solo(monkeypatch)
+        files, helpers = _files_and_helpers()
+        assert len(files) == 1 and len(helpers) == 1
+        shutdown(graceful=True, timeout=10.0)
+        assert not files[0].exists()
+        helpers[0].wait(timeout=5)
+        assert _files_and_helpers() == ([], [])
+
+
+def test_an_init_rpc_that_fails_leaves_no_secret_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unreachable(records: Any) -> None:
+        raise ValueError("unreachable, as a later step of init_rpc may fail")
+
+    monkeypatch.setattr("tensorpipe_backend.agent.check_reachable", unreachable)
+    for world_size in (1, None):  # static, dynamic
+        monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        with pytest.raises(ValueError, match="unreachable"):
+            init_rpc("solo", backend(), 0, world_size, options(init_method, auth_token=None))
+        files, _ = _files_and_helpers()
+        assert files == [], world_size
+
+
+def test_a_dynamic_member_joining_again_keeps_one_copy_of_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(AUTH_TOKEN_ENV, raising=False)
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    seen = set()
+    for _ in range(3):
+        init_rpc("d", backend(), 0, None, options(init_method, auth_token=None))
+        try:
+            files, helpers = _files_and_helpers()
+            seen.update(files)
+            assert len(files) == 1 and len(helpers) == 1
+        finally:
+            shutdown(graceful=True, timeout=10.0)
+    assert len(seen) == 1

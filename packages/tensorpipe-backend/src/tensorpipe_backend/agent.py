@@ -46,6 +46,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Final
 
 import torch
@@ -81,6 +82,7 @@ from .reader import Readers, reading
 from .requests import Requests
 from .rounds import GroupRounds, RoundFailedError
 from .secret import resolve_secret
+from .secret_file import forget_secret_file
 from .shm import host_identity
 from .strands import call_out, running
 from .transport import local_listener
@@ -178,6 +180,10 @@ class TensorPipeAgent:
         watch.add(self._readers)
         self._peers: Peers | None = None
         self._liveness: Liveness | None = None
+        # The secret's files this worker wrote: a static group's go with it; a dynamic group's
+        # stay while this process runs (a copy for later joiners, and for its own next join).
+        self._secret_files: list[Path] = []
+        self._static = world_size is not None
         try:
             self._secret = secret = resolve_secret(
                 options.auth_token,
@@ -188,6 +194,7 @@ class TensorPipeAgent:
                 options.insecure,
                 name,
                 self._holders() if world_size is None else (),
+                self._secret_files,
             )
             self._peers = peers = Peers(
                 self._me,
@@ -237,6 +244,7 @@ class TensorPipeAgent:
                 self._join_dynamic(record)
         except BaseException as exc:
             self._close_now()
+            self._forget_secret_files()
             if world_size is not None and isinstance(exc, Exception):
                 report_failure(store, rank, exc)
             raise
@@ -825,6 +833,11 @@ class TensorPipeAgent:
             except (OSError, FrameError):
                 logger.debug("could not say goodbye to %s", conn.peer.name)
 
+    def _forget_secret_files(self) -> None:
+        for path in self._secret_files:
+            forget_secret_file(path)
+        self._secret_files.clear()
+
     def _close_now(self) -> None:
         with self._lock:
             if self._closed:
@@ -852,3 +865,5 @@ class TensorPipeAgent:
                 thread.join(timeout=5)
                 if thread.is_alive():
                     logger.warning("thread %s did not stop within 5 s after shutdown", thread.name)
+        if self._static:
+            self._forget_secret_files()  # every worker of the group read it during init_rpc

@@ -71,8 +71,9 @@ def holder_key(name: str) -> str:
     return f"{SECRET_FILE_KEY}/{name}"
 
 
-def _publish_file(secret: str) -> tuple[Path, str]:
+def _publish_file(secret: str, made: list[Path]) -> tuple[Path, str]:
     path = make_secret_file(secret)
+    made.append(path)
     return path, json.dumps({"path": str(path), "host": socket.gethostname()})
 
 
@@ -138,6 +139,7 @@ def resolve_secret(
     insecure: bool = False,
     name: str = "",
     holders: Sequence[str] = (),
+    made: list[Path] | None = None,
 ) -> bytes:
     """The job's secret, by the precedence of the module docstring.
 
@@ -145,7 +147,8 @@ def resolve_secret(
     the store entry) and the others wait at most ``timeout`` seconds for it;
     in a dynamic group the first worker to get there does, and a worker
     ``name`` joining later reads the maker's file or the copy of one of the
-    members ``holders``, then keeps a copy of its own.
+    members ``holders``, then keeps a copy of its own. The paths of the files
+    written go to ``made``.
 
     Raises:
         RuntimeError: the secret file is not on this host or not this user's own.
@@ -158,6 +161,7 @@ def resolve_secret(
     if from_env:
         return from_env.encode()
     fresh = secrets.token_hex(32)
+    made = [] if made is None else made
     if insecure:
         logger.warning(
             "rank %d: insecure=True: the job's secret goes through the rendezvous store in clear; anyone "
@@ -178,14 +182,16 @@ def resolve_secret(
                 _wait_for(store, SECRET_FILE_KEY, rank, timeout, "rank 0's secret file", INSECURE_SECRET_KEY),
                 rank,
             )
-        store.set(SECRET_FILE_KEY, _publish_file(fresh)[1])
+        store.set(SECRET_FILE_KEY, _publish_file(fresh, made)[1])
         return bytes.fromhex(fresh)
-    return _resolve_dynamic(store, rank, name, holders, fresh)
+    return _resolve_dynamic(store, rank, name, holders, fresh, made)
 
 
-def _resolve_dynamic(store: Store, rank: int, name: str, holders: Sequence[str], fresh: str) -> bytes:
+def _resolve_dynamic(
+    store: Store, rank: int, name: str, holders: Sequence[str], fresh: str, made: list[Path]
+) -> bytes:
     if not store.check([SECRET_FILE_KEY]):
-        path, published = _publish_file(fresh)
+        path, published = _publish_file(fresh, made)
         current = store.compare_set(SECRET_FILE_KEY, "", published)
         if current.decode() == published:
             if name:
@@ -204,7 +210,7 @@ def _resolve_dynamic(store: Store, rank: int, name: str, holders: Sequence[str],
             first_error = first_error or exc
             continue
         if name:
-            store.set(holder_key(name), _publish_file(secret.hex())[1])
+            store.set(holder_key(name), _publish_file(secret.hex(), made)[1])
         return secret
     assert first_error is not None
     raise first_error

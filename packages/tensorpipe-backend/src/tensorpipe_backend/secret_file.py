@@ -13,7 +13,10 @@ and never keeps a job from starting: another name is drawn.
 A reader trusts a path only if it names such a directory of its own user,
 reached without symlinks, holding a regular file of mode 0600 of that user.
 
-Files go with the process that made them: at interpreter exit, and, for a
+A process writes one file per secret (asked again, it gives the same path).
+The agent removes a static group's file at shutdown and any file of an
+``init_rpc`` that failed. Files go with the process that made them in any
+case: at interpreter exit, and, for a
 process ended by a signal (SIGTERM, a launcher's way of stopping workers,
 or SIGKILL), by a small helper process that waits for the maker's end and
 removes them. The helper ignores the signals of its maker's terminal and
@@ -72,8 +75,9 @@ class SecretFileError(RuntimeError):
 class _Made:
     """A file this process made, and the helper that removes it should this process be killed."""
 
-    def __init__(self, path: Path, reaper: subprocess.Popen[bytes] | None) -> None:
+    def __init__(self, path: Path, secret: str, reaper: subprocess.Popen[bytes] | None) -> None:
         self.path = path
+        self.secret = secret
         self.reaper = reaper
         self.pid = os.getpid()
 
@@ -176,11 +180,16 @@ def _draw_name(uid: int) -> str:
 
 
 def make_secret_file(secret: str) -> Path:
-    """Write ``secret`` to a fresh private file (see the module docstring) and return its path.
+    """Write ``secret`` to a fresh private file (see the module docstring) and return its path;
+    the path of the one this process made already for ``secret``, if it is still there.
 
     Raises:
         OSError: no private directory could be made in :func:`secret_base`.
     """
+    with _made_lock:
+        for made in _made.values():
+            if made.secret == secret and made.pid == os.getpid() and made.path.is_file():
+                return made.path
     base, uid = secret_base(), os.getuid()
     _sweep(base, uid)
     for _ in range(_MAX_DRAWS):
@@ -206,7 +215,7 @@ def make_secret_file(secret: str) -> Path:
         os.close(fd)
     path = directory / FILE_NAME
     with _made_lock:
-        _made[path] = _Made(path, _start_reaper(path))
+        _made[path] = _Made(path, secret, _start_reaper(path))
     return path
 
 
