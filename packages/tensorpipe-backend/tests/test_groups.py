@@ -20,6 +20,7 @@ import pytest
 from tpb_workers import (
     CONTEXT,
     call_at_once,
+    dial_while_shutting_down,
     dynamic_leader,
     dynamic_member,
     free_port,
@@ -30,6 +31,7 @@ from tpb_workers import (
     join_then_leave_when_told,
     look_up_a_record_removed_meanwhile,
     options,
+    serve_until,
     spawned,
     whoami,
 )
@@ -127,6 +129,20 @@ def test_a_worker_taking_a_departed_workers_rank_or_coming_back_joins_the_same_g
                     assert results.get(timeout=30) == (["d0", "w"], "no error")
         go.set()
         assert results.get(timeout=30) == ("left", "d0", ["d0"])
+
+
+def test_a_connection_dialled_while_the_worker_shuts_down_is_closed_and_its_call_fails() -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results, done = CONTEXT.Queue(), CONTEXT.Event()
+    targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+        (serve_until, ("w0", 0, 3, init_method, done)),
+        (dial_while_shutting_down, ("w1", 1, 3, init_method, results, done)),
+        (serve_until, ("w2", 2, 3, init_method, done)),
+    ]
+    with spawned(targets):
+        outcome, connections, readers = results.get(timeout=30)
+    assert re.match(r"RuntimeError: w1: the agent is shut down", outcome), outcome
+    assert (connections, readers) == ([], [])
 
 
 def test_shutdown_right_after_init_does_not_time_out() -> None:

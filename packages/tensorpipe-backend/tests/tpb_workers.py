@@ -229,6 +229,35 @@ def join_call_then_leave(
         shutdown(graceful=True, timeout=10.0)
 
 
+def dial_while_shutting_down(
+    name: str, rank: int, world_size: int, init_method: str, results: Any, done: Any
+) -> None:
+    """w1: its first call to w2 (to which it has no connection yet) shuts the agent down (from
+    another thread) between the handshake and the connection's start; reports the call's outcome,
+    the connections then kept, and whether a reader thread of w2 still runs."""
+    import tensorpipe_backend.peers
+
+    init_rpc(name, backend(), rank, world_size, options(init_method))
+    agent: Any = get_current_agent()
+    peers = agent._peers
+    handshake = tensorpipe_backend.peers.client_handshake
+
+    def handshake_then_shut_down(*args: Any) -> Any:
+        outcome = handshake(*args)
+        threading.Thread(target=shutdown, kwargs={"graceful": False}).start()
+        deadline = time.monotonic() + 10
+        while not peers.closed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return outcome
+
+    tensorpipe_backend.peers.client_handshake = handshake_then_shut_down  # type: ignore[attr-defined]
+    outcome = _error_text(lambda: rpc_sync("w2", whoami, timeout=5))
+    time.sleep(0.5)
+    readers = [t.name for t in threading.enumerate() if t.name.startswith("read-w2")]
+    results.put((outcome, sorted(peers.conns), readers))
+    done.set()
+
+
 def init_then_shut_down(name: str, rank: int, world_size: int, init_method: str, results: Any) -> None:
     """Join a static group and shut down gracefully at once; report how long the shutdown took."""
     init_rpc(name, backend(), rank, world_size, options(init_method))

@@ -210,9 +210,14 @@ class Peers:
             WorkerInfo(name, record.rank), sock, shared_files(self._mine(), record, sock), self._spawn
         )
         with self._lock:
-            old = self.conns.get(name)
-            self.conns[name] = conn
-            self._cond.notify_all()
+            closed = self._closed
+            if not closed:
+                old = self.conns.get(name)
+                self.conns[name] = conn
+                self._cond.notify_all()
+        if closed:  # shut down while dialling: the shutdown did not see this connection
+            self.drop(conn, "this worker shut down while connecting")
+            raise RuntimeError(f"{self._me.name}: the agent is shut down")
         if old is not None and old is not conn:
             self.drop(old, "replaced by a new connection")
         self._readers.start(conn)
