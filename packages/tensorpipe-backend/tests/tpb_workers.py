@@ -237,10 +237,11 @@ def dial_while_shutting_down(
     the connections then kept, and whether a reader thread of w2 still runs."""
     import tensorpipe_backend.peers
 
+    peers_module: Any = tensorpipe_backend.peers  # its handshake is replaced for a moment
     init_rpc(name, backend(), rank, world_size, options(init_method))
     agent: Any = get_current_agent()
     peers = agent._peers
-    handshake = tensorpipe_backend.peers.client_handshake
+    handshake = peers_module.client_handshake
 
     def handshake_then_shut_down(*args: Any) -> Any:
         outcome = handshake(*args)
@@ -250,7 +251,7 @@ def dial_while_shutting_down(
             time.sleep(0.01)
         return outcome
 
-    tensorpipe_backend.peers.client_handshake = handshake_then_shut_down  # type: ignore[attr-defined]
+    peers_module.client_handshake = handshake_then_shut_down
     outcome = _error_text(lambda: rpc_sync("w2", whoami, timeout=5))
     time.sleep(0.5)
     readers = [t.name for t in threading.enumerate() if t.name.startswith("read-w2")]
