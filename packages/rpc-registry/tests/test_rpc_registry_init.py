@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from rpc_registry import (
     get_worker_info,
     init_rpc,
     remote,
+    rpc_async,
     rpc_sync,
     shutdown,
 )
@@ -165,6 +167,32 @@ def test_timeout_minus_one_means_the_agent_default() -> None:
 @pytest.mark.usefixtures("solo")
 def test_timeout_zero_means_no_timeout() -> None:
     assert rpc_sync("solo", sleep_then, args=(0.5, 2), timeout=0) == 2
+
+
+@pytest.mark.usefixtures("solo")
+def test_timeout_infinity_means_no_timeout_and_later_timeouts_still_fire() -> None:
+    assert rpc_sync("solo", sleep_then, args=(0.5, 3), timeout=float("inf")) == 3
+    assert remote("solo", sleep_then, args=(0.0, 4), timeout=1e300).to_here(timeout=float("inf")) == 4
+    with pytest.raises(TimeoutError, match=r"no reply within 0.1 s"):
+        rpc_sync("solo", sleep_then, args=(1.0, 5), timeout=0.1)
+
+
+@pytest.mark.usefixtures("solo")
+@pytest.mark.parametrize(
+    ("timeout", "error"),
+    [("5", TypeError), (None, TypeError), (True, TypeError), (float("nan"), ValueError), (-2, ValueError)],
+)
+def test_a_timeout_that_is_not_seconds_is_refused_at_the_call_naming_it(timeout: Any, error: type) -> None:
+    match = r"^timeout=.*: must be seconds .*0 waiting without limit, or -1 for the agent's default"
+    with pytest.raises(error, match=match):
+        rpc_sync("solo", sleep_then, args=(0.0, 1), timeout=timeout)
+    with pytest.raises(error, match=match):
+        rpc_async("solo", sleep_then, args=(0.0, 1), timeout=timeout)
+    with pytest.raises(error, match=match):
+        remote("solo", sleep_then, args=(0.0, 1), timeout=timeout)
+    with pytest.raises(error, match=r"^timeout=.*: must be seconds"):
+        shutdown(timeout=timeout)
+    assert rpc_sync("solo", sleep_then, args=(0.0, 6)) == 6  # the refused shutdown left it running
 
 
 @pytest.mark.usefixtures("solo")

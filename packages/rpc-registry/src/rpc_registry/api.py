@@ -35,6 +35,7 @@ from .protocols import RpcBackendOptions, WorkerInfo
 from .registry import _REGISTRY, BackendType, construct_rpc_backend_options, init_backend
 from .rendezvous import DEFAULT_RENDEZVOUS_TIMEOUT_S, rendezvous_store
 from .rref import RRef
+from .timeouts import checked_timeout
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -211,6 +212,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     seconds in all; ``0`` waits without limit), so no request is left
     without a reply and no owner frees a value a worker may still forward.
     """
+    timeout = checked_timeout("timeout", timeout)
     with _init_lock:
         state = _current()
         try:

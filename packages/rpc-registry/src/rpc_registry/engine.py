@@ -39,6 +39,7 @@ from .grad_contexts import WITH_GRAD, GradContainer
 from .pickling import _PLAIN, _PLAIN_BUDGET, _WITH_REFS, _is_plain, _Pickler, _plain_payload, _Unpickler
 from .protocols import Message, RpcAgent, WorkerInfo
 from .rref import RRef, RRefContext, completed, copy_outcome, fail
+from .timeouts import checked_timeout
 
 # A failed request is logged under the API's name, which the package's README documents.
 logger: logging.Logger = logging.getLogger("rpc_registry.api")
@@ -94,14 +95,9 @@ class _RpcState:
         return self._me
 
     def resolve_timeout(self, timeout: float) -> float:
-        if timeout == UNSET_RPC_TIMEOUT:
-            return self.agent.rpc_timeout
-        if timeout < 0:
-            raise ValueError(
-                f"timeout={timeout!r}: must be seconds >= 0 (0 waits without limit), "
-                "or -1 for the agent's default"
-            )
-        return timeout
+        if timeout == UNSET_RPC_TIMEOUT and not isinstance(timeout, bool):
+            return checked_timeout("rpc_timeout", self.agent.rpc_timeout)
+        return checked_timeout("timeout", timeout, ", or -1 for the agent's default")
 
     def worker(self, to: WorkerRef) -> WorkerInfo:
         if isinstance(to, WorkerInfo):
