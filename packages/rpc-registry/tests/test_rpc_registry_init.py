@@ -77,6 +77,25 @@ def test_init_rpc_rejects_rank_outside_world_size() -> None:
         init_rpc("w0", backend=socket_backend(), rank=2, world_size=2)
 
 
+@pytest.mark.parametrize("given", ["env", "url"])
+def test_init_rpc_rejects_a_rank_from_the_environment_or_url_outside_world_size(
+    given: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if given == "env":
+        monkeypatch.setenv("RANK", "5")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+        url, world_size = "env://", None
+    else:
+        url, world_size = f"tcp://127.0.0.1:{_free_port()}?rank=5", 2
+    options = SocketOptions(rpc_timeout=5.0, init_method=url)
+    with pytest.raises(
+        ValueError, match=r"^rank=5: must be below world_size=2 .*rank from 0 to world_size - 1"
+    ):
+        init_rpc("w5", backend=socket_backend(), world_size=world_size, rpc_backend_options=options)
+
+
 def test_init_rpc_rejects_non_positive_world_size() -> None:
     with pytest.raises(ValueError, match=r"world_size=0"):
         init_rpc("w0", backend=socket_backend(), rank=0, world_size=0)

@@ -200,6 +200,12 @@ def _rank_and_size(url: str, rank: int, world_size: int | None) -> tuple[int, in
         world_size = int(os.environ["WORLD_SIZE"])
     if rank < 0:
         raise _rank_missing(url, rank, world_size)
+    if world_size is not None and rank >= world_size:
+        raise ValueError(
+            f"rank={rank}: must be below world_size={world_size} (as init_rpc's arguments, the URL "
+            f"{url!r} or RANK and WORLD_SIZE for env:// give them); give each worker a rank from 0 to "
+            "world_size - 1"
+        )
     return rank, world_size
 
 
