@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -142,6 +143,40 @@ def test_a_liveness_timeout_that_is_not_positive_is_refused() -> None:
     assert message == (
         "Join(liveness_timeout=datetime.timedelta(0)): must be positive; pass None to turn it off"
     )
+
+
+def _timeouts_of_other_types(rank: int, world_size: int) -> list[str]:
+    from join_core import watch_collectives
+
+    attempts: list[Callable[[], object]] = [
+        lambda: Join([CountingJoinable(False)], liveness_timeout=30.0),  # type: ignore[arg-type]
+        lambda: Join([CountingJoinable(False)], hang_timeout="5s"),  # type: ignore[arg-type]
+        lambda: watch_collectives(liveness_timeout=None),  # type: ignore[arg-type]
+        lambda: watch_collectives(hang_timeout=timedelta(0)),
+    ]
+    outcomes = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except (TypeError, ValueError) as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+        else:
+            outcomes.append("no error")
+    return outcomes
+
+
+def test_timeouts_that_are_not_positive_timedeltas_are_refused_naming_the_argument() -> None:
+    [outcomes] = run_ranks(_timeouts_of_other_types, 1)
+    assert outcomes == [
+        "TypeError: Join(liveness_timeout=30.0): must be a datetime.timedelta, e.g. timedelta(seconds=30); "
+        "pass None to turn it off",
+        "TypeError: Join(hang_timeout='5s'): must be a datetime.timedelta, e.g. timedelta(seconds=30); "
+        "pass None to turn it off",
+        "TypeError: watch_collectives(liveness_timeout=None): must be a datetime.timedelta, e.g. "
+        "timedelta(seconds=30)",
+        "ValueError: watch_collectives(hang_timeout=datetime.timedelta(0)): must be positive; pass None to "
+        "turn it off",
+    ]
 
 
 def test_endpoints_read_from_the_store_are_parsed_defensively() -> None:

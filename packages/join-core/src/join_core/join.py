@@ -18,7 +18,7 @@ from join_core.collective_watch import DEFAULT_HANG_TIMEOUT, CollectiveDesyncErr
 from join_core.exit_grace import install_exit_grace
 from join_core.hook import JoinHook
 from join_core.joinable import Joinable
-from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, LivenessWatchdog, RankLostError
+from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, LivenessWatchdog, RankLostError, check_watch_timeouts
 from join_core.recorder import record_collectives
 from join_core.regroup import RankRemovedError, Recovery, agree, build_group, removed_at
 
@@ -187,14 +187,7 @@ class Join:
         self._entered_hooks: list[JoinHook] = []
         self._done = False  # an early termination or abort was already agreed on
         self._entered = False
-        if liveness_timeout is not None and liveness_timeout.total_seconds() <= 0:
-            raise ValueError(
-                f"Join(liveness_timeout={liveness_timeout!r}): must be positive; pass None to turn it off"
-            )
-        if hang_timeout is not None and hang_timeout.total_seconds() <= 0:
-            raise ValueError(
-                f"Join(hang_timeout={hang_timeout!r}): must be positive; pass None to turn it off"
-            )
+        check_watch_timeouts("Join", liveness_timeout, hang_timeout)
         self._liveness_timeout = liveness_timeout
         self._hang_timeout = hang_timeout
         self._liveness: LivenessWatchdog | None = None

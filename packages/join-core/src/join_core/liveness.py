@@ -52,6 +52,27 @@ __all__ = ["DEFAULT_LIVENESS_TIMEOUT", "LivenessWatchdog", "RankLostError", "spa
 
 logger: logging.Logger = logging.getLogger(__name__)
 
+
+def check_watch_timeouts(
+    owner: str, liveness_timeout: object, hang_timeout: object, liveness_off_allowed: bool = True
+) -> None:
+    """Refuse, naming ``owner``'s argument and the fix, a liveness or hang timeout that is not a
+    positive ``timedelta`` (or None, where that turns it off)."""
+    for name, value, off_allowed in (
+        ("liveness_timeout", liveness_timeout, liveness_off_allowed),
+        ("hang_timeout", hang_timeout, True),
+    ):
+        off = "; pass None to turn it off" if off_allowed else ""
+        if value is None and off_allowed:
+            continue
+        if not isinstance(value, timedelta):
+            raise TypeError(
+                f"{owner}({name}={value!r}): must be a datetime.timedelta, e.g. timedelta(seconds=30){off}"
+            )
+        if value.total_seconds() <= 0:
+            raise ValueError(f"{owner}({name}={value!r}): must be positive{off}")
+
+
 #: How long a rank may go without a heartbeat before the others call it lost.
 DEFAULT_LIVENESS_TIMEOUT: Final = timedelta(seconds=5)
 #: Heartbeats per timeout: a loss is told at most timeout * (1 + 1/this) after it.

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from join_core.collective_watch import DEFAULT_HANG_TIMEOUT
 from join_core.exit_grace import install_exit_grace
-from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, LivenessWatchdog
+from join_core.liveness import DEFAULT_LIVENESS_TIMEOUT, LivenessWatchdog, check_watch_timeouts
 
 __all__ = ["CollectiveWatchHandle", "watch_collectives"]
 
@@ -52,6 +52,7 @@ def watch_collectives(
         liveness_timeout: how long a rank may go without a heartbeat.
         hang_timeout: the least wait reported as a hang; None: no reports.
     """
+    check_watch_timeouts("watch_collectives", liveness_timeout, hang_timeout, liveness_off_allowed=False)
     if not dist.is_initialized():
         raise RuntimeError(
             "watch_collectives(): the default process group is not initialized; "
