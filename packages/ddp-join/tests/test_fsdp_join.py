@@ -189,6 +189,24 @@ def test_rejects_a_module_not_sharded() -> None:
         FSDPJoinable(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def _wrap_with_a_wrong_optimizer(rank: int, world_size: int) -> tuple[str, int]:
+    model = _sharded_model(torch.device("cpu"), nested=False)
+    hooks = len(model._forward_pre_hooks) + len(model._forward_hooks)
+    try:
+        FSDPJoinable(model, None)  # type: ignore[arg-type]
+    except TypeError as error:
+        message = str(error)
+    else:
+        message = "no error"
+    return message, len(model._forward_pre_hooks) + len(model._forward_hooks) - hooks
+
+
+def test_rejects_what_is_not_an_optimizer_before_hooking_the_module() -> None:
+    [(message, hooks_added)] = run_ranks(_wrap_with_a_wrong_optimizer, 1, timeout=60)
+    assert message.startswith("FSDPJoinable(optimizer=NoneType): not a torch.optim.Optimizer")
+    assert hooks_added == 0
+
+
 def _train_failing(rank: int, world_size: int) -> str:
     model = _sharded_model(torch.device("cpu"), nested=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -99,6 +99,11 @@ class FSDPJoinable:
                 f"FSDPJoinable(module={type(module).__name__}): not an FSDP module; "
                 "call torch.distributed.fsdp.fully_shard(module) first"
             )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"FSDPJoinable(optimizer={type(optimizer).__name__}): not a torch.optim.Optimizer; pass the "
+                "optimizer that steps the module's parameters"
+            )
         install_exit_grace()  # FSDP2's module holds the process group's threads to interpreter exit
         meshes = []
         for param in module.parameters():
