@@ -215,6 +215,25 @@ def test_a_timeout_that_is_not_seconds_is_refused_at_the_call_naming_it(timeout:
 
 
 @pytest.mark.usefixtures("solo")
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        (torch.ones(2), None, r"^args=tensor\(\[1., 1.\]\) \(Tensor\): must be a tuple .* args=\(x,\)"),
+        ("ab", None, r"^args='ab' \(str\): must be a tuple"),
+        ((0.0, 1), [("value", 1)], r"^kwargs=\[\('value', 1\)\] \(list\): must be a dict"),
+    ],
+)
+def test_arguments_that_are_not_a_tuple_and_a_dict_are_refused_at_the_call(
+    args: Any, kwargs: Any, match: str
+) -> None:
+    for call in (rpc_sync, rpc_async, remote):
+        with pytest.raises(TypeError, match=match):
+            call("solo", sleep_then, args=args, kwargs=kwargs)
+    listed: Any = [0.0, 7]
+    assert rpc_sync("solo", sleep_then, args=listed) == 7  # a list is taken as the tuple it holds
+
+
+@pytest.mark.usefixtures("solo")
 def test_remote_to_self_gives_an_owner_rref() -> None:
     rref: RRef[Tracked] = remote("solo", Tracked, args=(8,))
     assert rref.is_owner() and rref.confirmed_by_owner()

@@ -241,6 +241,35 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     return _current().agent.get_worker_info(worker_name)
 
 
+def _call_arguments(func: object, args: object, kwargs: object) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` and ``kwargs`` of a call to ``func``, checked (as is ``func``) before anything is sent."""
+    _check_callable(func)
+    if args is None:
+        args = ()
+    elif not isinstance(args, tuple):
+        if not isinstance(args, list):
+            raise TypeError(
+                f"args={_short(args)} ({type(args).__name__}): must be a tuple of func's positional "
+                "arguments; for one argument x pass args=(x,)"
+            )
+        args = tuple(args)
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        raise TypeError(
+            f"kwargs={_short(kwargs)} ({type(kwargs).__name__}): must be a dict of func's keyword arguments"
+        )
+    else:
+        kwargs = dict(kwargs)  # the caller may change its own once the call is on its way
+    check_operator_arguments(func, args, kwargs)
+    return args, kwargs
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _check_callable(func: object) -> None:
     if isinstance(func, (torch.jit.ScriptFunction, torch.jit.ScriptModule)):
         raise TypeError(
@@ -342,10 +371,9 @@ def rpc_async(
     agent's default. Functions decorated with ``@async_execution`` reply
     when the future they return completes.
     """
-    _check_callable(func)
-    check_operator_arguments(func, tuple(args or ()), dict(kwargs or {}))
+    args, kwargs = _call_arguments(func, args, kwargs)
     state = _current()
-    request = ("call", func, tuple(args or ()), dict(kwargs or {}))
+    request = ("call", func, args, kwargs)
     return state.request(state.worker(to), request, state.resolve_timeout(timeout))
 
 
@@ -392,10 +420,9 @@ def rpc_sync(
     timeout: float = UNSET_RPC_TIMEOUT,
 ) -> T:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result (see ``rpc_async``)."""
-    _check_callable(func)
-    check_operator_arguments(func, tuple(args or ()), dict(kwargs or {}))
+    args, kwargs = _call_arguments(func, args, kwargs)
     state = _current()
-    request = ("call", func, tuple(args or ()), dict(kwargs or {}))
+    request = ("call", func, args, kwargs)
     callee = state.worker(to)
     slow_calls.started_waiting(id(request), callee.name, _name_of(func))
     try:
@@ -452,9 +479,6 @@ def remote(
     Returns at once; a creation that fails or times out is reported by the
     first ``to_here()``.
     """
-    _check_callable(func)
-    check_operator_arguments(func, tuple(args or ()), dict(kwargs or {}))
+    args, kwargs = _call_arguments(func, args, kwargs)
     state = _current()
-    return state.remote(
-        state.worker(to), func, tuple(args or ()), dict(kwargs or {}), state.resolve_timeout(timeout)
-    )
+    return state.remote(state.worker(to), func, args, kwargs, state.resolve_timeout(timeout))
