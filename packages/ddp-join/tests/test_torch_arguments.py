@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,10 @@ def _rejections(rank: int, world_size: int) -> dict[str, Any]:
             linear, process_group=dist.group.WORLD, device_mesh=init_device_mesh("cpu", (world_size,))
         ),
         "cap_list": lambda: DistributedDataParallel(linear, bucket_cap_mb_list=[]),
+        "cap_nan": lambda: DistributedDataParallel(linear, bucket_cap_mb=float("nan")),
+        "cap_str": lambda: DistributedDataParallel(linear, bucket_cap_mb="25"),  # type: ignore[arg-type]
+        "cap_list_int": lambda: DistributedDataParallel(linear, bucket_cap_mb_list=5),  # type: ignore[arg-type]
+        "cap_list_inf": lambda: DistributedDataParallel(linear, bucket_cap_mb_list=[1.0, math.inf]),
         "overlap": lambda: hook_with_zero_step(
             allreduce_hook,
             DistributedDataParallel(linear),
@@ -120,6 +125,10 @@ def test_unsupported_arguments_are_rejected_by_name_and_no_ops_are_accepted() ->
     )
     assert "give one of them, not both" in messages["mesh_and_group"]
     assert "bucket_cap_mb_list=[]): must be a non-empty list" in messages["cap_list"]
+    assert "bucket_cap_mb=nan): must be positive (a size in MiB), or None" in messages["cap_nan"]
+    assert "bucket_cap_mb='25'): must be positive" in messages["cap_str"]
+    assert "bucket_cap_mb_list=5): must be a non-empty list" in messages["cap_list_int"]
+    assert "bucket_cap_mb_list=[1.0, inf]): must be a non-empty list" in messages["cap_list_inf"]
     assert "built with overlap_with_ddp=False" in messages["overlap"]
     assert len(messages["warnings"]) == 2
     assert messages["warnings"][0].startswith("FutureWarning: DistributedDataParallel(broadcast_buffers=...)")

@@ -9,6 +9,7 @@ hook's (``ddp_join._join_hook``)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -533,15 +534,23 @@ def _reject_unsupported(
         )
 
 
+def _is_size(value: object) -> bool:
+    """Whether ``value`` is a positive, finite number of MiB."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 def _bucket_caps(bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None) -> list[int]:
     """Byte caps of buckets 0, 1, ... (the last repeats), as torch computes them."""
     mib = 1024 * 1024
-    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
-        raise ValueError(f"DistributedDataParallel(bucket_cap_mb={bucket_cap_mb}): must be positive")
+    if bucket_cap_mb is not None and not _is_size(bucket_cap_mb):
+        raise ValueError(
+            f"DistributedDataParallel(bucket_cap_mb={bucket_cap_mb!r}): must be positive (a size in MiB), or None"
+        )
     if bucket_cap_mb_list is not None:
-        if not bucket_cap_mb_list or any(cap <= 0 for cap in bucket_cap_mb_list):
+        given: object = bucket_cap_mb_list  # as passed, whatever the annotation says
+        if not isinstance(given, Sequence) or not given or not all(_is_size(cap) for cap in given):
             raise ValueError(
-                f"DistributedDataParallel(bucket_cap_mb_list={list(bucket_cap_mb_list)}): "
+                f"DistributedDataParallel(bucket_cap_mb_list={bucket_cap_mb_list!r}): "
                 "must be a non-empty list of positive sizes in MiB, or None"
             )
         return [int(cap * mib) for cap in bucket_cap_mb_list]
