@@ -7,7 +7,6 @@ current accelerator, which fails on a machine without one).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Final, Union, cast
 
 import torch
@@ -33,6 +32,9 @@ DeviceMap = dict[torch.device, torch.device]
 
 DEFAULT_NUM_WORKER_THREADS: Final = 16
 """Default number of threads that hand incoming calls to the RPC layer."""
+
+# The longest timeout of the options: threads wait at most about 292 years at once.
+_MAX_SECONDS: Final = 365 * 24 * 3600.0
 
 DEFAULT_LIVENESS_TIMEOUT: Final = 30.0
 """Default ``liveness_timeout``: seconds a connected peer may send nothing before it is judged lost.
@@ -147,8 +149,10 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                 f"TensorPipeRpcBackendOptions(): incompatible constructor arguments: rpc_timeout={rpc_timeout!r} "
                 "must be seconds as a float (for a timedelta, pass .total_seconds())"
             )
-        if not math.isfinite(rpc_timeout) or rpc_timeout < 0:
-            raise ValueError(f"rpc_timeout={rpc_timeout!r}: must be seconds >= 0 (0 means no timeout)")
+        if not 0 <= rpc_timeout <= _MAX_SECONDS:
+            raise ValueError(
+                f"rpc_timeout={rpc_timeout!r}: must be seconds >= 0 (0 means no timeout), at most a year"
+            )
         if not isinstance(init_method, str):
             raise TypeError(
                 f"init_method={init_method!r}: must be a URL such as 'env://' or 'tcp://host:port'"
@@ -170,17 +174,18 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
             raise TypeError(f"insecure={insecure!r}: must be True or False")
         given: object = rendezvous_timeout
         if given is not None and (
-            isinstance(given, bool) or not isinstance(given, (int, float)) or not 0 < given < math.inf
+            isinstance(given, bool) or not isinstance(given, (int, float)) or not 0 < given <= _MAX_SECONDS
         ):
             raise ValueError(
-                f"rendezvous_timeout={rendezvous_timeout!r}: must be seconds > 0, or None for torch's "
-                "30 minutes"
+                f"rendezvous_timeout={rendezvous_timeout!r}: must be seconds > 0 and at most a year, or None "
+                "for torch's 30 minutes"
             )
         live: object = liveness_timeout
-        if isinstance(live, bool) or not isinstance(live, (int, float)) or not 0 <= live < math.inf:
+        if isinstance(live, bool) or not isinstance(live, (int, float)) or not 0 <= live <= _MAX_SECONDS:
             raise ValueError(
                 f"liveness_timeout={liveness_timeout!r}: must be seconds >= 0, e.g. "
-                f"{DEFAULT_LIVENESS_TIMEOUT:g} (0: judge a peer lost only when its connection closes)"
+                f"{DEFAULT_LIVENESS_TIMEOUT:g} (0: judge a peer lost only when its connection closes), at "
+                "most a year"
             )
         if device_maps is not None and not isinstance(device_maps, dict):
             raise TypeError(f"device_maps={device_maps!r}: must be a dict from worker name to device map")
