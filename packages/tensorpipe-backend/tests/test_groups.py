@@ -145,6 +145,22 @@ def test_a_connection_dialled_while_the_worker_shuts_down_is_closed_and_its_call
     assert (connections, readers) == ([], [])
 
 
+def test_a_worker_without_world_size_cannot_join_a_static_group_with_torchs_error() -> None:
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results, done = CONTEXT.Queue(), CONTEXT.Event()
+    with spawned([(serve_until, ("w1", 1, 2, init_method, done))]):
+        init_rpc("w0", ensure_registered(), 0, 2, options(init_method))
+        try:
+            with spawned([(init_reporting_error, ("w2", 2, None, init_method, results))]):
+                error = results.get(timeout=30)
+        finally:
+            done.set()
+            shutdown(graceful=False)
+    assert error.startswith(
+        "RuntimeError: RPC group mixes statically and dynamically initialized members which is not supported"
+    ), error
+
+
 def test_shutdown_right_after_init_does_not_time_out() -> None:
     init_method = f"tcp://127.0.0.1:{free_port()}"
     results = CONTEXT.Queue()

@@ -283,16 +283,21 @@ def rendezvous_store(
 def _session(store: Store, rank: int, world_size: int | None) -> str:
     """The name of the keys of this worker's session in ``store``.
 
-    In a static group each rank counts its own sessions in the store itself, so
-    workers that all start again agree, and a fresh store (a fresh group) starts
-    from 1 whatever a process did before. A dynamic group is one session for as
-    long as its store lives: a worker that joins it (a new process, one that
-    takes a departed worker's rank, or one that left and comes back) meets its
-    members there; when torchrun starts every worker again, they start a new one.
+    Each rank counts its own starts in the store itself, so that the workers
+    of a static group that all start again agree, and a fresh store (a fresh
+    group) starts from 1 whatever a process did before. A dynamic group is
+    one session for as long as its store lives, the one its first member
+    counted: a worker that joins it (a new process, one that takes a departed
+    worker's rank, or one that left and comes back) meets its members there,
+    and one that comes to the session of a static group is told it cannot
+    join it. When torchrun starts every worker again, they start a new one.
     """
-    if world_size is None:
-        return f"dynamic_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return str(store.add(f"rpc_registry/sessions/rank{rank}", 1))
+    counted = str(store.add(f"rpc_registry/sessions/rank{rank}", 1))
+    if world_size is not None:
+        return counted
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    first: bytes = store.compare_set(f"rpc_registry/sessions/dynamic/{restart}", "", counted)
+    return first.decode()
 
 
 def _await_arrivals(
