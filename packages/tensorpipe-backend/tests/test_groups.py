@@ -14,6 +14,7 @@ import os
 import re
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -143,6 +144,22 @@ def test_a_connection_dialled_while_the_worker_shuts_down_is_closed_and_its_call
         outcome, connections, readers = results.get(timeout=30)
     assert re.match(r"RuntimeError: w1: the agent is shut down", outcome), outcome
     assert (connections, readers) == ([], [])
+
+
+def test_a_worker_takes_the_name_of_a_member_whose_process_ended_without_anyone_seeing(
+    tmp_path: Path,
+) -> None:
+    # A store of its own (a file), which outlives every worker: nobody saw the first "w" end.
+    init_method = f"file://{tmp_path / 'store'}"
+    # A queue for each: one a process was killed using may stay locked.
+    go, joined, results = CONTEXT.Event(), CONTEXT.Queue(), CONTEXT.Queue()
+    with spawned([(join_then_leave_when_told, ("w", 1, init_method, joined, go))]) as (first,):
+        assert joined.get(timeout=30) == ("joined", "w")
+        assert first.pid is not None
+        os.kill(first.pid, signal.SIGKILL)
+        first.join(10)
+    with spawned([(join_call_then_leave, ("w", 1, init_method, "w", results))]):
+        assert results.get(timeout=30) == (["w"], "no error")
 
 
 def test_a_worker_without_world_size_cannot_join_a_static_group_with_torchs_error() -> None:

@@ -66,6 +66,7 @@ from .group import (
     gather_signed_records,
     members,
     membership_token,
+    nobody_listens,
     publish_signed_record,
     read_record,
     record_key,
@@ -316,6 +317,19 @@ class TensorPipeAgent:
             if static_group_met(store):
                 raise RuntimeError(_MIXED_GROUP + f": {record.name} came without world_size")
             current = members(store)
+            held = read_record(store, record.name) if record.name in current else None
+            if held is not None and nobody_listens((held.host, held.port)):
+                # Its process ended without leaving, and no member saw it go (the store outlived them all).
+                logger.warning(
+                    "%s: the member of this name (rank %d at %s:%d) no longer listens: its process ended; "
+                    "this worker takes its place in the group",
+                    record.name,
+                    held.rank,
+                    held.host,
+                    held.port,
+                )
+                current = [name for name in current if name != record.name]
+                store.delete_key(record_key(record.name))  # under the token: nobody else writes it
             if record.name in current:
                 raise WorkerNameError(
                     f"name={record.name!r} is not unique: a worker of this name is already in the group; "

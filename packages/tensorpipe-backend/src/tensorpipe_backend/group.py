@@ -36,6 +36,7 @@ __all__ = [
     "report_failure",
     "members",
     "membership_token",
+    "nobody_listens",
     "publish_signed_record",
     "remove_lost_member",
     "static_group_met",
@@ -279,7 +280,7 @@ def membership_token(
             why = "was lost"
         elif where is not None and now >= ask_at:
             ask_at = now + _ASK_HOLDER_EVERY
-            if _nobody_listens(where):
+            if nobody_listens(where):
                 why = f"no longer listens at {where[0]}:{where[1]}: its process ended"
         if why is not None:
             logger.warning("%s: takes over the membership token of %r, which %s", holder, name, why)
@@ -316,9 +317,9 @@ def _token_holder(value: str) -> tuple[str, tuple[str, int] | None]:
     return value, None
 
 
-def _nobody_listens(address: tuple[str, int]) -> bool:
-    """Whether a connection to ``address`` is refused (a listening worker accepts it; it is closed
-    at once, before any byte, as a client that hangs up)."""
+def nobody_listens(address: tuple[str, int]) -> bool:
+    """Whether a connection to ``address`` is refused: the worker that listened there ended (a
+    listening worker accepts it; it is closed at once, before any byte, as a client that hangs up)."""
     try:
         sock = socket.create_connection(address, timeout=_ASK_HOLDER_EVERY)
     except ConnectionRefusedError:
