@@ -153,6 +153,7 @@ def _timeouts_of_other_types(rank: int, world_size: int) -> list[str]:
         lambda: Join([CountingJoinable(False)], hang_timeout="5s"),  # type: ignore[arg-type]
         lambda: watch_collectives(liveness_timeout=None),  # type: ignore[arg-type]
         lambda: watch_collectives(hang_timeout=timedelta(0)),
+        lambda: Join([CountingJoinable(False)], liveness_timeout=timedelta(microseconds=1)),
     ]
     outcomes = []
     for attempt in attempts:
@@ -176,6 +177,8 @@ def test_timeouts_that_are_not_positive_timedeltas_are_refused_naming_the_argume
         "timedelta(seconds=30)",
         "ValueError: watch_collectives(hang_timeout=datetime.timedelta(0)): must be positive; pass None to "
         "turn it off",
+        "ValueError: Join(liveness_timeout=datetime.timedelta(microseconds=1)): must be at least 0.1 s "
+        "(heartbeats go every fifth of the liveness timeout through the store); pass None to turn it off",
     ]
 
 

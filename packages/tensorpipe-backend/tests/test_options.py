@@ -96,6 +96,11 @@ def test_devices_must_be_cuda_devices() -> None:
         ({"liveness_timeout": float("inf")}, ValueError, r"liveness_timeout=inf: must be seconds >= 0"),
         ({"liveness_timeout": True}, ValueError, r"liveness_timeout=True: must be seconds >= 0"),
         ({"liveness_timeout": 1e12}, ValueError, r"liveness_timeout=1000000000000.0: .* at most a year"),
+        (
+            {"liveness_timeout": 1e-6},
+            ValueError,
+            r"liveness_timeout=1e-06: .* at least 0.1 and at most a year",
+        ),
         ({"rpc_timeout": 1e12}, ValueError, r"rpc_timeout=1000000000000.0: .* at most a year"),
         ({"rpc_timeout": float("nan")}, ValueError, r"rpc_timeout=nan: must be seconds >= 0"),
         ({"rendezvous_timeout": 1e12}, ValueError, r"rendezvous_timeout=1000000000000.0: .* at most a year"),

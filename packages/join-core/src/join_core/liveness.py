@@ -53,6 +53,10 @@ __all__ = ["DEFAULT_LIVENESS_TIMEOUT", "LivenessWatchdog", "RankLostError", "spa
 logger: logging.Logger = logging.getLogger(__name__)
 
 
+#: The shortest liveness or hang timeout.
+_MIN_TIMEOUT: Final = timedelta(milliseconds=100)
+
+
 def check_watch_timeouts(
     owner: str, liveness_timeout: object, hang_timeout: object, liveness_off_allowed: bool = True
 ) -> None:
@@ -71,6 +75,11 @@ def check_watch_timeouts(
             )
         if value.total_seconds() <= 0:
             raise ValueError(f"{owner}({name}={value!r}): must be positive{off}")
+        if value < _MIN_TIMEOUT:
+            raise ValueError(
+                f"{owner}({name}={value!r}): must be at least {_MIN_TIMEOUT.total_seconds():g} s (heartbeats go "
+                f"every fifth of the liveness timeout through the store){off}"
+            )
 
 
 #: How long a rank may go without a heartbeat before the others call it lost.

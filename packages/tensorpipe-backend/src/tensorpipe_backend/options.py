@@ -35,6 +35,8 @@ DEFAULT_NUM_WORKER_THREADS: Final = 16
 
 # The longest timeout of the options: threads wait at most about 292 years at once.
 _MAX_SECONDS: Final = 365 * 24 * 3600.0
+# The shortest liveness timeout: a keepalive goes every fifth of it.
+_MIN_LIVENESS_SECONDS: Final = 0.1
 
 DEFAULT_LIVENESS_TIMEOUT: Final = 30.0
 """Default ``liveness_timeout``: seconds a connected peer may send nothing before it is judged lost.
@@ -181,11 +183,15 @@ class TensorPipeRpcBackendOptions(RpcBackendOptions):
                 "for torch's 30 minutes"
             )
         live: object = liveness_timeout
-        if isinstance(live, bool) or not isinstance(live, (int, float)) or not 0 <= live <= _MAX_SECONDS:
+        if (
+            isinstance(live, bool)
+            or not isinstance(live, (int, float))
+            or not (live == 0 or _MIN_LIVENESS_SECONDS <= live <= _MAX_SECONDS)
+        ):
             raise ValueError(
                 f"liveness_timeout={liveness_timeout!r}: must be seconds >= 0, e.g. "
                 f"{DEFAULT_LIVENESS_TIMEOUT:g} (0: judge a peer lost only when its connection closes), at "
-                "most a year"
+                f"least {_MIN_LIVENESS_SECONDS:g} and at most a year"
             )
         if device_maps is not None and not isinstance(device_maps, dict):
             raise TypeError(f"device_maps={device_maps!r}: must be a dict from worker name to device map")
