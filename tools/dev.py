@@ -353,7 +353,8 @@ def _wait_here(proc: subprocess.Popen[bytes]) -> int:
 
 
 def demo(args: list[str]) -> int:
-    return _run_here([str(ensure("run")), "tools/demo.py", *args])
+    # A private TMPDIR: the survivors of a rank lost on purpose (--lose-rank) write their dumps there.
+    return _run_here([str(ensure("run")), "tools/demo.py", *args], private_tmp=True)
 
 
 def bench(args: list[str]) -> int:

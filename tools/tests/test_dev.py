@@ -237,3 +237,19 @@ def test_a_run_with_a_private_tmp_writes_there_and_the_directory_goes_with_it(tm
     directory, mode = report.read_text().split()
     assert Path(directory).name.startswith("dev-run-") and mode == "0o1777"
     assert not Path(directory).exists()
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "suites"])
+def test_commands_that_lose_ranks_on_purpose_run_with_a_private_tmp(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs: list[tuple[list[str], bool]] = []
+
+    def run_here(cmd: list[str], private_tmp: bool = False) -> int:
+        runs.append((cmd, private_tmp))
+        return 0
+
+    monkeypatch.setattr(dev, "_run_here", run_here)
+    monkeypatch.setattr(dev, "ensure", lambda name: Path(sys.executable))
+    assert getattr(dev, command)([]) == 0
+    assert [private for _, private in runs] == [True]
