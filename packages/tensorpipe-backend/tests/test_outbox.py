@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+import tensorpipe_backend.outbox as outbox_module
 from tensorpipe_backend.outbox import Outbox
 
 pytestmark = pytest.mark.timeout(30)
@@ -119,6 +120,39 @@ def test_another_thread_sends_the_queue_before_its_own_frame(
     assert _read(theirs, len(big) + len(FRAMES[2])) == big + FRAMES[2]
     sender.join(timeout=10)
     assert not sender.is_alive()
+
+
+def test_a_frame_posted_while_the_writer_finishes_sending_goes_out_without_waiting_a_tick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A post while the writer thread holds the send lock leaves the frame to it (flush cannot take
+    # the lock); the writer must look at the queue again once it lets go, not sleep until its tick.
+    monkeypatch.setattr(outbox_module, "_TICK", 60.0)
+    mine, theirs = socket.socketpair()
+    writers: list[Callable[[], None]] = []
+    outbox = Outbox(mine, threading.Lock(), "p", lambda target, name: writers.append(target))
+    send, late = outbox._send, b"late|"
+    posted: list[bool] = []
+
+    def send_then_post(wait: bool) -> bool:
+        done = send(wait)
+        if threading.current_thread().name == "write-p" and not posted:
+            posted.append(True)
+            _in_thread(lambda: outbox.post(late))
+        return done
+
+    monkeypatch.setattr(outbox, "_send", send_then_post)
+    big = FRAMES[0] * 10
+    try:
+        _in_thread(lambda: outbox.post(big))
+        assert outbox, "the socket took everything: the test did not fill it"
+        threading.Thread(target=writers[0], name="write-p", daemon=True).start()
+        assert _read(theirs, len(big) + len(late)) == big + late
+        assert posted
+    finally:
+        outbox.close()
+        mine.close()
+        theirs.close()
 
 
 def test_a_closed_outbox_ends_its_writer_and_refuses_the_main_threads_wait(

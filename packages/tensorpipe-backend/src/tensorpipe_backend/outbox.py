@@ -210,14 +210,20 @@ class Outbox:
 
     def _write(self) -> None:
         """The writer thread: send the queue whenever woken (or each tick), until closed."""
+        queued = False
         while True:
-            self._kick.acquire(timeout=_TICK)
+            if not queued:
+                self._kick.acquire(timeout=_TICK)
             if self._closed or self._sock.fileno() < 0:
                 return
             if not self._frames:
+                queued = False
                 continue
             with self._lock:
                 try:
                     self._send(wait=True)
                 except OSError:
                     return  # broken or closed: the connection's reader sees it
+            # A frame posted while this thread held the lock was left to it (flush could not
+            # take the lock, and wakes nobody): send it now, not at the next tick.
+            queued = bool(self._frames)
