@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from counting_joinable import CountingJoinable
 
-from join_core import Join, RankLostError
-from join_core.liveness import _decode
+from join_core import Join, RankLostError, spare_connections
+from join_core.liveness import _connections, _decode
 from join_core.testing import RanksFailedError, run_ranks
 
 # torch's stubs do not re-export the store class it documents publicly.
@@ -318,3 +318,26 @@ def _store_unreachable(rank: int, world_size: int) -> str:
 
 def test_a_watch_that_cannot_start_raises_its_own_error() -> None:
     assert run_ranks(_store_unreachable, 2) == ["no store for this group"] * 2
+
+
+def test_a_port_is_spared_until_every_holder_released_it() -> None:
+    """After a loss the watch shuts down this process's connections but the spared ones; an RPC
+    agent's port is spared while it listens, and watched again after (it may be reused)."""
+
+    def watched_ports() -> set[int]:
+        found = _connections(None)
+        for sock, _, _ in found:
+            sock.close()
+        return {local[1] for _, local, _ in found}
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)), listener.accept()[0]:
+            assert port in watched_ports()
+            first, second = spare_connections(port), spare_connections(port)
+            assert port not in watched_ports()
+            first()
+            first()  # a second call does nothing: the other holder still spares it
+            assert port not in watched_ports()
+            second()
+            assert port in watched_ports()

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from torch._C._distributed_c10d import HashStore
 
+import tensorpipe_backend.agent as agent_module
+from join_core import spare_connections
 from rpc_registry import WorkerInfo
+from tensorpipe_backend import TensorPipeRpcBackendOptions, init_backend_handler
 from tensorpipe_backend.connection import Connection
 from tensorpipe_backend.group import (
     MEMBERS_KEY,
@@ -168,3 +171,27 @@ def test_the_membership_token_of_a_worker_that_still_listens_is_waited_for() -> 
         store = _held_by_d2_at(alive.getsockname()[1])
         with pytest.raises(TimeoutError, match=r"held by 'd2'"), membership_token(store, "d0", 2.5):
             pass
+
+
+def test_a_shut_down_agent_no_longer_spares_its_listeners_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Join's watch spares the agent's connections after a loss; once the agent is gone the port
+    may go to a process group's connection, which the watch must be free to shut down."""
+    spared: list[int] = []
+    released: list[int] = []
+
+    def recording_spare(port: int) -> Callable[[], None]:
+        release = spare_connections(port)
+        spared.append(port)
+
+        def recorded_release() -> None:
+            released.append(port)
+            release()
+
+        return recorded_release
+
+    monkeypatch.setattr(agent_module, "spare_connections", recording_spare)
+    options = TensorPipeRpcBackendOptions(init_method="tcp://127.0.0.1:0", auth_token="t")
+    agent = init_backend_handler(HashStore(), "solo", 0, 1, options)
+    assert spared == [agent.address[1]] and released == []
+    agent.shutdown()
+    assert released == spared

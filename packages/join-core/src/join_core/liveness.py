@@ -45,10 +45,18 @@ from join_core.collective_watch import CollectiveWatch
 from join_core.recorder import record_collectives
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     # The class get_group_store() returns; torch.distributed does not re-export it to type checkers.
     from torch._C._distributed_c10d import Store
 
-__all__ = ["DEFAULT_LIVENESS_TIMEOUT", "LivenessWatchdog", "RankLostError", "spare_connections"]
+__all__ = [
+    "DEFAULT_LIVENESS_TIMEOUT",
+    "LivenessWatchdog",
+    "RankLostError",
+    "check_watch_timeouts",
+    "spare_connections",
+]
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -111,11 +119,13 @@ _Endpoint = tuple[str, int]
 _PrefixStore: Any = dist.PrefixStore  # type: ignore[attr-defined]
 _TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
 
-# Local listening ports whose connections the watch never shuts down (an RPC agent's).
-_spared_ports: set[int] = set()
+# Local listening ports whose connections the watch never shuts down (an RPC
+# agent's), each with how many holders spare it.
+_spared_ports: dict[int, int] = {}
+_spared_lock = threading.Lock()
 
 
-def spare_connections(port: int) -> None:
+def spare_connections(port: int) -> Callable[[], None]:
     """Keep the liveness watch's hands off the connections of the listener on
     local ``port``: after a loss it shuts down connections to stop the waits
     of the process group, and must not take an RPC agent's with them.
@@ -124,10 +134,30 @@ def spare_connections(port: int) -> None:
     agent calls it with its listening port). A connection is spared when
     either end's local port is spared on its own process, so each process
     spares its own listener.
+
+    Returns:
+        A function to call when the listener closes: the port is spared no
+        more (the system may give it to a process group's connection next).
+        Calling it again does nothing.
     """
     if not 0 < port < 65536:
         raise ValueError(f"spare_connections(port={port}): not a TCP port")
-    _spared_ports.add(port)
+    with _spared_lock:
+        _spared_ports[port] = _spared_ports.get(port, 0) + 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        with _spared_lock:
+            if released:
+                return
+            released = True
+            if _spared_ports[port] == 1:
+                del _spared_ports[port]
+            else:
+                _spared_ports[port] -= 1
+
+    return release
 
 
 _joins_lock = threading.Lock()

@@ -162,6 +162,7 @@ class TensorPipeAgent:
         self._pool = ThreadPoolExecutor(options.num_worker_threads, thread_name_prefix=f"tpb-{name}")
         self._listener: socket.socket | None = None
         self._local_listener: socket.socket | None = None
+        self._unspare: Callable[[], None] | None = None
         self._rounds: GroupRounds | None = None
         self._calls = calls = Calls(name, lock, self._cond)
         self._watch = watch = Watch()
@@ -217,7 +218,7 @@ class TensorPipeAgent:
             self._listener.settimeout(0.2)
             # A Join that goes on without a lost rank shuts the old process group's
             # connections down: not these, which the survivors' calls still need.
-            spare_connections(self._listener.getsockname()[1])
+            self._unspare = spare_connections(self._listener.getsockname()[1])
             shm_host = host_identity()
             self._local_listener = local_listener() if shm_host else None
             record = WorkerRecord(
@@ -868,6 +869,8 @@ class TensorPipeAgent:
         for listener in (self._listener, self._local_listener):
             if listener is not None:
                 listener.close()
+        if self._unspare is not None:
+            self._unspare()  # the port may go to a process group's connection next
         for conn in conns:
             self._drop(conn, f"this worker ({self._me.name}) shut down")
         if self._rounds is not None:
