@@ -11,7 +11,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from join_core.testing import run_ranks
-from lightning_join import JoinDDPStrategy
+from lightning_join import JoinDDPStrategy, JoinFSDPStrategy
+from lightning_join.fabric import JoinDDPStrategy as FabricJoinDDPStrategy
 
 
 def _fit_refused(rank: int, world_size: int, setting: str) -> str:
@@ -55,6 +56,18 @@ def test_strategy_arguments_it_cannot_honour_are_refused() -> None:
         JoinDDPStrategy(ddp_comm_wrapper=lambda hook: hook)
     with pytest.raises(ValueError, match=r"model_averaging_period=4\): post-local SGD"):
         JoinDDPStrategy(model_averaging_period=4)
+
+
+def test_a_liveness_timeout_that_is_not_a_positive_timedelta_is_refused_by_every_strategy() -> None:
+    # At construction, in the launching process: not at the first Join in every launched rank.
+    for strategy in (JoinDDPStrategy, JoinFSDPStrategy, FabricJoinDDPStrategy):
+        with pytest.raises(
+            TypeError, match=rf"{strategy.__name__}\(liveness_timeout=30.0\): must be a datetime.timedelta"
+        ):
+            strategy(liveness_timeout=30.0)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"liveness_timeout=.*must be positive"):
+            strategy(liveness_timeout=timedelta(0))
+        strategy(liveness_timeout=None)  # off
 
 
 def _validate_tiny(rank: int, world_size: int) -> str:

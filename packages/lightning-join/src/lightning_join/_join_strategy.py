@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from ddp_join import UnevenDistributedSampler
 from join_core import Join, Joinable
+from join_core.liveness import check_watch_timeouts
 from lightning_join import _loops
 from lightning_join._reductions import is_mean, mean_over_contributors
 from lightning_join.metrics import gather_all_tensors
@@ -63,6 +64,8 @@ class JoinStrategyBase(ParallelStrategy):
         divide_by_initial_world_size: bool,
         liveness_timeout: timedelta | None,
     ) -> None:
+        # Here, not at the first Join: that runs in every rank, after the launch.
+        check_watch_timeouts(type(self).__name__, liveness_timeout, None)
         self.exact_eval = exact_eval
         self.throw_on_early_termination = throw_on_early_termination
         self.divide_by_initial_world_size = divide_by_initial_world_size

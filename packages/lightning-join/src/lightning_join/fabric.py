@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from ddp_join import DistributedDataParallel
 from join_core import DEFAULT_LIVENESS_TIMEOUT, Join, ShadowCollectives
+from join_core.liveness import check_watch_timeouts
 from lightning_join._reductions import is_mean, mean_over_contributors
 
 __all__ = ["JoinDDPStrategy", "join"]
@@ -76,6 +77,7 @@ class JoinDDPStrategy(DDPStrategy):
         liveness_timeout: timedelta | None = DEFAULT_LIVENESS_TIMEOUT,
         **kwargs: Any,
     ) -> None:
+        check_watch_timeouts(type(self).__name__, liveness_timeout, None)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
