@@ -353,6 +353,10 @@ def value_via_to_here(rref: RRef[Tracked]) -> int:
     return rref.to_here().value
 
 
+def tracked_copy_of(rref: RRef[Tracked]) -> Tracked:
+    return Tracked(rref.to_here().value)
+
+
 def local_value_if_owner(rref: RRef[Tracked]) -> int | None:
     return rref.local_value().value if rref.is_owner() else None
 

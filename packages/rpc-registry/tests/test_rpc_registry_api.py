@@ -29,6 +29,7 @@ from rpcreg_socket_agent import (
     run_worker,
     sleep_then,
     socket_backend,
+    tracked_copy_of,
     value_via_to_here,
 )
 
@@ -246,6 +247,11 @@ def test_local_value_on_a_user_raises_and_names_the_owner() -> None:
         rref.local_value()
 
 
+def test_rref_takes_torchs_type_hint_argument() -> None:
+    assert RRef(7, int).local_value() == 7
+    assert RRef(torch.ones(1), type_hint=torch.Tensor).to_here().item() == 1.0
+
+
 def test_rref_string_forms_are_torchs() -> None:
     owned = RRef(1)
     assert str(owned) == f"OwnerRRef(GloballyUniqueId(created_on=0, local_id={owned._rref_id[1]}))"
@@ -331,6 +337,15 @@ def test_to_here_right_after_remote_whose_arguments_fork_an_rref() -> None:
         assert result.to_here() == 4
         assert result.rpc_sync().bit_length() == 3
         del held, result
+
+
+def test_an_rref_dropped_before_its_creation_went_out_is_freed_by_its_owner() -> None:
+    # Each creation waits for w2 to learn of the fork of `held`; the RRef it returns is dropped at
+    # once, so its deletion is queued first. w1 must still free every value (checked after the test).
+    held = remote("w2", make_tracked, args=(4,))
+    for _ in range(5):
+        remote("w1", tracked_copy_of, args=(held,))
+    del held
 
 
 def test_sparse_tensors_travel_as_arguments_and_results() -> None:

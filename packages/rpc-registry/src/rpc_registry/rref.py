@@ -241,8 +241,15 @@ class RRefContext:
             return
         if rref._fork_id is None:
             self._tasks.put(("owner", rref._rref_id))
+            return
+        task: _Task = ("user", rref._owner, rref._rref_id, rref._fork_id)
+        created = rref._created
+        if created is not None and not created.done():
+            # remote() may still be sending the creation (its arguments' forks go first): the
+            # deletion must not reach the owner before it, or the owner keeps the value for good.
+            created.add_done_callback(lambda _: self._tasks.put(task))
         else:
-            self._tasks.put(("user", rref._owner, rref._rref_id, rref._fork_id))
+            self._tasks.put(task)
 
     def release_users(self) -> None:
         """Release every user RRef still alive (graceful shutdown)."""
@@ -351,7 +358,12 @@ class RRef(Generic[T_co]):
     _released: bool
     _attributes: set[str]
 
-    def __init__(self, value: T_co) -> None:
+    def __init__(self, value: T_co, type_hint: object = None) -> None:
+        """Make this worker the owner of ``value``.
+
+        ``type_hint`` is accepted for torch's signature; torch gives it to the
+        TorchScript compiler, which this package does not use.
+        """
         ctx = _context()
         rref_id = ctx.new_id()
         ctx.create_owned(rref_id, None).set_result(value)
