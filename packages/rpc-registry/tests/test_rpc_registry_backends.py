@@ -263,6 +263,28 @@ def test_broken_plugin_warns_once_naming_its_distribution_and_others_load(site: 
         assert [member.name for member in registry.members()] == names
 
 
+def test_a_broken_plugin_asked_for_by_name_says_why_and_loads_once_its_environment_is_fixed(
+    site: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name, module = _unique("FIXED"), _unique("fixedmod").lower()
+    _install(site, "fixed-backend", module, "raise ImportError('needs libfoo')\n", {name: f"{module}:plugin"})
+    registry = BackendRegistry()
+    monkeypatch.setattr(rpc_registry.registry, "_REGISTRY", registry)
+    with pytest.warns(RuntimeWarning, match="needs libfoo"):
+        assert registry.get(name) is None
+    # The lookup names the failure, not "install the distribution that provides it".
+    with pytest.raises(
+        AttributeError, match=r"fixed-backend could not be loaded \(ImportError: needs libfoo\)"
+    ):
+        getattr(BackendType, name)
+    (site / f"{module}.py").write_text(textwrap.dedent(_PLUGIN_SOURCE.format(name=name, factory_name="X")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        member = getattr(BackendType, name)
+    assert member.name == name and registry.load_failure(name) is None
+    assert name in [m.name for m in registry.members()]
+
+
 def test_plugin_whose_name_differs_from_its_entry_point_is_rejected(site: Path) -> None:
     entry, module = _unique("ENTRY"), _unique("mismatch").lower()
     _install(

@@ -131,6 +131,9 @@ def _member_by_name(name: str) -> BackendType:
 
 
 def _unknown_backend_message(name: str) -> str:
+    failure = _REGISTRY.load_failure(name)
+    if failure is not None:
+        return failure
     known = ", ".join(m.name for m in _REGISTRY.members()) or "none"
     hint = (
         f"install it with {INSTALL_DEFAULT_BACKEND}"
@@ -160,6 +163,8 @@ class BackendRegistry:
         self._members: dict[str, BackendType] = {}
         # None until the entry-point group was read; then the plugins not yet imported.
         self._pending: dict[str, importlib.metadata.EntryPoint] | None = None
+        # Plugins whose import failed, and why: tried again when asked for by name.
+        self._broken: dict[str, tuple[importlib.metadata.EntryPoint, str]] = {}
 
     def register(
         self,
@@ -194,12 +199,27 @@ class BackendRegistry:
         return member
 
     def get(self, backend_name: str) -> BackendType | None:
-        """The member named ``backend_name``, importing its plugin if needed; else None."""
+        """The member named ``backend_name``, importing its plugin if needed; else None.
+
+        A plugin whose import failed before is tried again (its environment
+        may have been fixed since), without a second warning.
+        """
         with self._lock:
             member = self._members.get(backend_name)
             if member is None and backend_name in self._discover_locked():
                 member = self._load_locked(backend_name)
+            elif member is None and backend_name in self._broken:
+                entry_point, _ = self._broken.pop(backend_name)
+                assert self._pending is not None
+                self._pending[backend_name] = entry_point
+                member = self._load_locked(backend_name, warn=False)
             return member
+
+    def load_failure(self, backend_name: str) -> str | None:
+        """Why the plugin named ``backend_name`` could not be imported, or None."""
+        with self._lock:
+            broken = self._broken.get(backend_name)
+            return None if broken is None else broken[1]
 
     def members(self) -> list[BackendType]:
         """Every backend, in registration order; imports the plugins not yet loaded."""
@@ -228,7 +248,7 @@ class BackendRegistry:
             self._pending = found
         return self._pending
 
-    def _load_locked(self, name: str) -> BackendType | None:
+    def _load_locked(self, name: str, warn: bool = True) -> BackendType | None:
         assert self._pending is not None
         entry_point = self._pending.pop(name)
         try:
@@ -237,12 +257,11 @@ class BackendRegistry:
             _check_plugin(entry_point.name, plugin)
         except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the others
             dist = _distribution_name(entry_point)
-            warnings.warn(
-                f"RPC backend plugin {name!r} from distribution {dist} could not be loaded "
-                f"and is skipped ({type(exc).__name__}: {exc}); reinstall or uninstall {dist}",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            failed = f"RPC backend plugin {name!r} from distribution {dist} could not be loaded"
+            cause = f"({type(exc).__name__}: {exc}); reinstall or uninstall {dist}"
+            self._broken[name] = (entry_point, f"{failed} {cause}")
+            if warn:
+                warnings.warn(f"{failed} and is skipped {cause}", RuntimeWarning, stacklevel=4)
             return None
         # A plugin may register itself while being imported.
         member = self._members.get(name)
