@@ -20,11 +20,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
+import ddp_join
 from ddp_join import (
     DistributedDataParallel,
     GradBucket,
     ZeroRedundancyOptimizer,
     allreduce_hook,
+    fp16_compress_wrapper,
     hook_with_zero_step,
 )
 from join_core import Join
@@ -50,6 +52,15 @@ def test_constructors_take_torchs_arguments_in_torchs_order_with_torchs_defaults
         from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
     assert _parameters(ZeroRedundancyOptimizer.__init__) == _parameters(TorchZero.__init__)
     assert _parameters(hook_with_zero_step) == _parameters(torch_hook)
+    assert _parameters(ZeroRedundancyOptimizer.step) == _parameters(TorchZero.step)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    for name in ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"):
+        assert _parameters(getattr(ddp_join, name)) == _parameters(getattr(default_hooks, name)), name
+    for name in ("fp16_compress_wrapper", "bf16_compress_wrapper"):
+        assert _parameters(getattr(ddp_join, name)) == _parameters(getattr(default_hooks, name)), name
+    methods = {name for name in dir(torch.distributed.GradBucket) if not name.startswith("_")}  # type: ignore[attr-defined]
+    assert methods <= set(dir(GradBucket)), methods - set(dir(GradBucket))
     for method in ("will_sync_module_buffers", "to_kwargs", "scatter", "gather"):
         ours, theirs = getattr(DistributedDataParallel, method), getattr(TorchDDP, method)
         assert [name for name, _ in _parameters(ours)] == [name for name, _ in _parameters(theirs)]
@@ -363,10 +374,38 @@ def test_scatter_and_gather_work_along_dim() -> None:
     assert gathered == [2, 8]  # joined along dim=1
 
 
-def _overlap(rank: int, world_size: int) -> list[torch.Tensor]:
+class _ScaledSGD(torch.optim.SGD):
+    """An optimizer whose step takes an argument of its own."""
+
+    def step(self, closure: Any = None, scale: float = 1.0) -> Any:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.mul_(scale)
+        return super().step(closure)
+
+
+def _zero_step_with_keywords(rank: int, world_size: int) -> torch.Tensor:
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), _ScaledSGD, lr=0.1)
+    loss_fn(model, *batch(0, 0)).backward()
+    zero.step(scale=2.0)
+    return flat_params(model)
+
+
+def test_zero_passes_step_keywords_to_the_local_optimizer_as_torchs() -> None:
+    expected_model = make_model()
+    loss_fn(expected_model, *batch(0, 0)).backward()
+    torch.optim.SGD(expected_model.parameters(), lr=0.2).step()
+    for result in run_ranks(_zero_step_with_keywords, 2):
+        torch.testing.assert_close(result, flat_params(expected_model), rtol=1e-6, atol=1e-7)
+
+
+def _overlap(rank: int, world_size: int, compressed: bool) -> list[torch.Tensor]:
     model = DistributedDataParallel(make_model(), bucket_cap_mb=0.0001)  # several buckets
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=0.05)
-    model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
+    hook = fp16_compress_wrapper(allreduce_hook) if compressed else allreduce_hook
+    model.register_comm_hook(None, hook_with_zero_step(hook, model, zero))
     after_backward: list[torch.Tensor] = []
     with Join([model, zero]):
         for step in range(3 + 2 * rank):
@@ -377,11 +416,13 @@ def _overlap(rank: int, world_size: int) -> list[torch.Tensor]:
     return [flat_params(model), *after_backward]
 
 
-def test_zero_overlapped_with_ddp_steps_during_backward_under_join() -> None:
-    first, second = run_ranks(_overlap, 2)
+@pytest.mark.parametrize("compressed", [False, True], ids=["allreduce_hook", "fp16_compress_wrapper"])
+def test_zero_overlapped_with_ddp_steps_during_backward_under_join(compressed: bool) -> None:
+    first, second = run_ranks(_overlap, 2, compressed)
     assert torch.equal(first[0], second[0])
     expected = reference([3, 5], lambda ps: torch.optim.Adam(ps, lr=0.05))
-    torch.testing.assert_close(first[0], expected, rtol=1e-5, atol=1e-6)
+    rtol, atol = (1e-2, 1e-3) if compressed else (1e-5, 1e-6)  # float16 on the wire
+    torch.testing.assert_close(first[0], expected, rtol=rtol, atol=atol)
     # The parameters had changed when backward returned: step() stepped nothing more.
     assert not torch.equal(first[1], flat_params(make_model()))
     assert torch.equal(second[-1], second[0])

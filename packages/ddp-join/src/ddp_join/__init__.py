@@ -7,7 +7,15 @@ when ranks have different numbers of batches. :class:`UnevenDistributedSampler` 
 padding nor duplicates, for exact evaluation under Join.
 """
 
-from ddp_join.comm_hooks import CommHook, GradBucket, allreduce_hook, fp16_compress_hook
+from ddp_join.comm_hooks import (
+    CommHook,
+    GradBucket,
+    allreduce_hook,
+    bf16_compress_hook,
+    bf16_compress_wrapper,
+    fp16_compress_hook,
+    fp16_compress_wrapper,
+)
 from ddp_join.distributed import DistributedDataParallel, MixedPrecisionConfig
 from ddp_join.fsdp import FSDPJoinable
 from ddp_join.sampler import UnevenDistributedSampler
@@ -26,6 +34,9 @@ __all__ = [
     "UnevenDistributedSampler",
     "ZeroRedundancyOptimizer",
     "allreduce_hook",
+    "bf16_compress_hook",
+    "bf16_compress_wrapper",
     "fp16_compress_hook",
+    "fp16_compress_wrapper",
     "hook_with_zero_step",
 ]

@@ -179,33 +179,36 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     # Stepping.
 
     @overload
-    def step(self, closure: None = None) -> None: ...
+    def step(self, closure: None = None, **kwargs: Any) -> None: ...
 
     @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
+    def step(self, closure: Callable[[], float], **kwargs: Any) -> float: ...
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step this rank's shard, then broadcast every shard from its owner.
 
         Args:
             closure: re-evaluates the model and returns the loss (optional).
+            kwargs: passed to the local optimizer's ``step()``, for optimizers
+                whose step takes more arguments.
         """
         Join.notify_join_context(self)
         if self.overlap_with_ddp:
             # hook_with_zero_step stepped and broadcast every bucket during backward.
-            if closure is not None:
+            if closure is not None or kwargs:
+                given = ", ".join(["closure=..."] * (closure is not None) + [f"{k}=..." for k in kwargs])
                 raise ValueError(
-                    "ZeroRedundancyOptimizer.step(closure=...): with overlap_with_ddp=True the step runs "
-                    "during backward; call step() without a closure"
+                    f"ZeroRedundancyOptimizer.step({given}): with overlap_with_ddp=True the step runs "
+                    "during backward; call step() without arguments"
                 )
             self._stepped = Join.heartbeats(self)
             return None
-        loss = self._local_step(closure)
+        loss = self._local_step(closure, **kwargs)
         self._broadcast_shards()
         self._stepped = Join.heartbeats(self)
         return loss
 
-    def _local_step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def _local_step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         optimizers = [self.optim] if self._replica is None else [self.optim, self._replica]
         for optimizer in optimizers:
             for global_group, local_group in zip(self.param_groups, optimizer.param_groups):
@@ -217,9 +220,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 "ZeroRedundancyOptimizer.step(closure=...): with shard_replicas=1 the replica is stepped "
                 "with the same gradients, which a closure would change; call step() without one"
             )
-        loss = self.optim.step(closure)
+        loss = self.optim.step(closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
         if self._replica is not None:
-            self._replica.step()  # the same update its owner makes, on the same values
+            self._replica.step(**kwargs)  # the same update its owner makes, on the same values
         return loss
 
     def _step_bucket(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:

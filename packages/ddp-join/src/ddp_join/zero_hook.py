@@ -64,8 +64,8 @@ def hook_with_zero_step(
     def hook_with_zero(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         reduced = hook(state, bucket).wait()
         params = bucket.parameters()
-        grads = [
-            reduced[offset : offset + param.numel()].view_as(param)
+        grads = [  # cast back from a compressing hook's dtype (fp16_compress_wrapper)
+            reduced[offset : offset + param.numel()].view_as(param).to(param.dtype)
             for param, offset in zip(params, bucket._offsets)
         ]
         zero._step_bucket(params, grads)
