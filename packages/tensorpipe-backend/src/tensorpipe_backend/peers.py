@@ -152,6 +152,11 @@ class Peers:
             if conn is not None:
                 return conn
             # The peer keeps another connection with us (its own dial, or one it has not seen close).
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{self._me.name}: timed out waiting for a connection to worker {name}, which still "
+                    "holds an earlier one with this worker"
+                )
             with self._lock:
                 self._cond.wait_for(lambda: name in self.conns, timeout=0.05)
 
