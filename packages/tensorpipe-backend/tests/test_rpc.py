@@ -209,6 +209,31 @@ def test_timed_out_call_raises_and_the_agent_keeps_working() -> None:
     assert rpc_sync("w1", sleep_then, args=(0.2, 6), timeout=0) == 6
 
 
+@pytest.mark.parametrize(
+    ("to", "tensor"), [("w1", False), ("w1", True), ("w0", False)], ids=["plain", "with-a-tensor", "to-self"]
+)
+def test_a_timed_out_calls_callback_may_wait_for_another_call_that_times_out(to: str, tensor: bool) -> None:
+    # torch runs a future's callbacks on the thread that completes it: a timeout's must not be
+    # the thread that times every call out, or the inner call below would never time out.
+    arg: Any = torch.ones(1) if tensor else 1
+    outcome: list[str] = []
+    done = threading.Event()
+
+    def retry(_: object) -> None:
+        try:
+            rpc_sync(to, sleep_then, args=(3.0, arg), timeout=0.3)
+            outcome.append("returned")
+        except TimeoutError:
+            outcome.append("timed out")
+        finally:
+            done.set()
+
+    rpc_async(to, sleep_then, args=(3.0, arg), timeout=0.3).add_done_callback(retry)
+    assert done.wait(10), "the inner call never timed out"
+    assert outcome == ["timed out"]
+    time.sleep(3)  # the handlers end before the next test
+
+
 def test_sync_calls_from_many_threads_each_get_their_own_reply() -> None:
     # One waiting thread at a time reads the socket and hands the others their replies.
     def calls(base: int) -> list[int]:

@@ -85,24 +85,34 @@ class _Deadlines:
 
     def _run(self) -> None:
         while True:
+            expired: list[tuple[Future[Any], str]] = []
             with self._cond:
                 while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
                     delay = self._heap[0][0] - time.monotonic() if self._heap else None
                     self._cond.wait(delay)
                 if self._stopped:
                     return
-                _, _, timeout, call = heapq.heappop(self._heap)
-                what = call.what
-            result = self.claim(call)
-            if result is not None and what is not None:
-                fail(
-                    result,
-                    TimeoutError(
-                        f"{call.describe(what)}: no reply within {timeout:g} s; pass a larger timeout, "
-                        "or timeout=0 to wait without limit"
-                    ),
-                )
-            del result, call, what  # keep no finished call alive in this frame
+                now = time.monotonic()
+                while self._heap and self._heap[0][0] <= now:
+                    _, _, timeout, call = heapq.heappop(self._heap)
+                    what, result = call.what, call.result
+                    if result is not None and what is not None:
+                        call.result, call.what = None, None  # claimed
+                        self._live -= 1
+                        expired.append((result, f"{call.describe(what)}: no reply within {timeout:g} s"))
+            if expired:
+                # On a thread of their own: a future's callbacks run on the thread that completes
+                # it, and one that waits for another call (which may time out too) must not stop
+                # this one.
+                threading.Thread(
+                    target=_time_out, args=(expired,), name="rpc-registry-timeout", daemon=True
+                ).start()
+            del expired  # keep no finished call alive in this frame
+
+
+def _time_out(expired: list[tuple[Future[Any], str]]) -> None:
+    for result, why in expired:
+        fail(result, TimeoutError(f"{why}; pass a larger timeout, or timeout=0 to wait without limit"))
 
 
 def _describe(request: tuple[object, ...]) -> str:

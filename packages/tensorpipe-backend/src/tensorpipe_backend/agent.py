@@ -164,7 +164,7 @@ class TensorPipeAgent:
         self._local_listener: socket.socket | None = None
         self._unspare: Callable[[], None] | None = None
         self._rounds: GroupRounds | None = None
-        self._calls = calls = Calls(name, lock, self._cond)
+        self._calls = calls = Calls(name, lock, self._cond, self._spawn)
         self._watch = watch = Watch()
         self._requests = Requests(
             name, lock, calls, self._pool, self._reverse_map, watch, self._leave_reading

@@ -14,6 +14,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -64,6 +65,23 @@ def unplaceable(entry: Pending, error: str) -> RuntimeError:
     return RuntimeError(f"the reply to {entry.what} cannot be placed here: {error}")
 
 
+def _start_thread(target: Callable[..., None], what: str, *args: object) -> None:
+    threading.Thread(target=target, args=args, name=f"tpb-{what}", daemon=True).start()
+
+
+def _time_out(expired: list[tuple[Connection, Pending, float]]) -> None:
+    """Fail each expired call with its ``TimeoutError``."""
+    for conn, entry, timeout in expired:
+        if conn.shm is not None:
+            conn.shm.release(entry.shm_tokens)
+        entry.deliver(
+            TimeoutError(
+                f"{entry.what}: no reply within {timeout:g} s; pass a larger timeout, "
+                "or timeout=0 to wait without limit"
+            ),
+        )
+
+
 class Calls:
     """The count of calls in flight, the deadlines of those sent, and the thread that enforces them.
 
@@ -73,8 +91,15 @@ class Calls:
     requests received and not yet answered; change it under ``lock``.
     """
 
-    def __init__(self, me: str, lock: threading.RLock, cond: threading.Condition) -> None:
+    def __init__(
+        self,
+        me: str,
+        lock: threading.RLock,
+        cond: threading.Condition,
+        spawn: Callable[..., None] = _start_thread,
+    ) -> None:
         self._me = me
+        self._spawn = spawn
         self._lock = lock
         self._cond = cond
         self._timer = threading.Condition(lock)  # wakes only the deadline thread
@@ -187,25 +212,29 @@ class Calls:
         self._timer.notify_all()
 
     def run_deadlines(self) -> None:
-        """The deadline thread: fail each call whose deadline passed, until :meth:`close`."""
+        """The deadline thread: fail each call whose deadline passed, until :meth:`close`.
+
+        The failures are delivered on a thread of their own: a future's callbacks run on the
+        thread that completes it, and one that waits for another call (which may time out too)
+        must not stop this one.
+        """
         while True:
+            expired: list[tuple[Connection, Pending, float]] = []
             with self._lock:
                 while not self.closed and (not self._deadlines or self._deadlines[0][0] > time.monotonic()):
                     delay = self._deadlines[0][0] - time.monotonic() if self._deadlines else 1.0
                     self._timer.wait(min(delay, 1.0))
                 if self.closed:
                     return
-                _, _, conn, msg_id, timeout = heapq.heappop(self._deadlines)
-                entry = conn.pending.pop(msg_id, None)
-                if entry is not None:
-                    self.in_flight -= 1
+                now = time.monotonic()
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    _, _, conn, msg_id, timeout = heapq.heappop(self._deadlines)
+                    entry = conn.pending.pop(msg_id, None)
+                    if entry is not None:
+                        self.in_flight -= 1
+                        expired.append((conn, entry, timeout))
+                if expired:
                     self._cond.notify_all()
-            if entry is not None:
-                if conn.shm is not None:
-                    conn.shm.release(entry.shm_tokens)
-                entry.deliver(
-                    TimeoutError(
-                        f"{entry.what}: no reply within {timeout:g} s; pass a larger timeout, "
-                        "or timeout=0 to wait without limit"
-                    ),
-                )
+            if expired:
+                self._spawn(_time_out, "timeouts", expired)
+            del expired  # keep no finished call alive in this frame
