@@ -246,27 +246,38 @@ class Join:
     ) -> None:
         if not self._enable:
             return
+        # Set when this rank leaves raising what the others were not told through the
+        # abort: its liveness watch says so, and theirs then judge it lost, naming it.
+        untold: BaseException | None = None
         try:
             if exc is None:
                 self._state = _State.JOINED
                 try:
                     self._shadow_until_all_joined()
-                except Exception as failure:
-                    self._raise_if_rank_lost(failure)
+                except BaseException as failure:
+                    if isinstance(failure, Exception):
+                        self._raise_if_rank_lost(failure)
+                    if not _raised_on_every_rank(failure):
+                        untold = failure  # the others wait in collectives it shadowed
                     raise
             elif self._raise_if_rank_lost(exc):
                 pass
-            elif not self._done and not isinstance(exc, dist.DistError):
-                # A KeyboardInterrupt or SystemExit is news for the others just
-                # as an Exception is; this rank re-raises its own all the same.
-                self._abort(exc)
+            elif (
+                not self._done
+                and not _raised_on_every_rank(exc)
+                # A DistError: the process group may be what failed, so no abort collective.
+                # A KeyboardInterrupt or SystemExit is news for the others just as an
+                # Exception is; this rank re-raises its own all the same.
+                and (isinstance(exc, dist.DistError) or not self._abort(exc))
+            ):
+                untold = exc
         finally:
-            self._leave()
+            self._leave(untold)
 
-    def _leave(self) -> None:
+    def _leave(self, untold: BaseException | None = None) -> None:
         try:
             if self._liveness is not None:
-                self._liveness.stop()
+                self._liveness.stop(None if untold is None else _describe_failure(untold))
             while self._entered_hooks:
                 self._entered_hooks.pop().exit_hook()
         finally:
@@ -512,14 +523,15 @@ class Join:
             )
         return self._last_total
 
-    def _abort(self, exc: BaseException) -> None:
-        """Tell the other ranks this one failed, within ABORT_TIMEOUT.
+    def _abort(self, exc: BaseException) -> bool:
+        """Tell the other ranks this one failed, within ABORT_TIMEOUT; whether they were told.
 
         The hooks' collectives run on a helper thread so that a peer that
         never answers cannot hold this rank: after the timeout it leaves with
         its own exception all the same."""
         self._state = _State.ABORTING
         finished = threading.Event()
+        told: list[bool] = []
 
         def protocol() -> None:
             try:
@@ -532,7 +544,8 @@ class Join:
                 else:
                     # The failing rank's signal outweighs every training rank's.
                     self._beat(ABORT_TIMEOUT)
-                self._agree_on_abort(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+                self._agree_on_abort(_describe_failure(exc))
+                told.append(True)
             except Exception as failure:  # noqa: BLE001 - the original exception matters more
                 logger.error("rank %d could not tell the other ranks that it failed: %s", self._rank, failure)
             finally:
@@ -545,6 +558,7 @@ class Join:
                 self._rank,
                 ABORT_TIMEOUT.total_seconds(),
             )
+        return bool(told)
 
     def _agree_on_abort(self, reason: str | None) -> None:
         """Gather every failing rank's reason; raise JoinAbortedError on the
@@ -728,3 +742,15 @@ def _global_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
 
 def _lost_key(lost: set[int]) -> str:
     return "-".join(str(rank) for rank in sorted(lost))
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """``"ValueError: message"``, as the other ranks are told of it."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _raised_on_every_rank(exc: BaseException) -> bool:
+    """Whether every rank raises ``exc`` too (ShadowCollectives' check found the mismatch)."""
+    from join_core.shadow import CollectiveMismatchError  # it imports this module
+
+    return isinstance(exc, CollectiveMismatchError) and exc.on_every_rank

@@ -102,6 +102,10 @@ ESCALATE_AFTER_BEATS: Final = 2
 VERDICT_WAIT_TIMEOUTS: Final = 3
 
 _LEFT: Final = "left"
+# Written instead by a rank that left its Join raising, without telling the others through
+# the Join's own abort (which needs their collectives): they judge it as lost, with its reason.
+_FAILED: Final = "failed"
+_FAILURE_BYTES: Final = 400  # the reason a failed rank gives, as far as it is read
 _STORE_HOST: Final = "store"  # in a rank's published endpoints: its process serves the store
 _BEAT_BYTES: Final = 32  # a heartbeat is a short counter; longer values are cut
 _MAX_ENDPOINTS_BYTES: Final = 64 * 1024
@@ -261,6 +265,8 @@ class LivenessWatchdog:
         self._hosts_store = False  # this process serves the store: it outlives the others' reading
         self._store_hosts: set[int] = set()  # other ranks whose process serves the store (the thread's)
         self._departed: set[int] = set()  # ranks that left their Join (set by the thread)
+        self._leaving = _LEFT  # what this rank's heartbeat key says once it left (see stop())
+        self._failure_note = ""
         self._beats_seen: dict[int, int] = {}  # rank -> how often its counter was seen moving (the thread's)
         self._moved: dict[int, float] = {}  # rank -> when its counter last moved (the thread's)
         self._endpoints: dict[int, set[_Endpoint]] = {}  # rank -> its published connections (the thread's)
@@ -297,11 +303,15 @@ class LivenessWatchdog:
             record_collectives().set_explainer(self._group.group_name, self.judge_closed_connection)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop, telling the other ranks this one left (not lost).
+    def stop(self, failure: str | None = None) -> None:
+        """Stop, telling the other ranks this one left (not lost); or, with
+        ``failure``, that it left its Join raising that (the others, maybe
+        waiting on it in a collective, then judge it lost, naming it).
 
         Returns at once; the thread says so within a store round trip, and
         the interpreter waits for it at exit."""
+        self._leaving = _LEFT if failure is None else _FAILED
+        self._failure_note = failure or ""
         self._stop.set()
         if self._judges_closed:
             record_collectives().set_explainer(self._group.group_name, None)
@@ -463,14 +473,13 @@ class LivenessWatchdog:
         # (connecting one holds the GIL for a moment the main thread would pay for).
         if self._stop.wait(self._interval):
             with suppress(Exception):  # nothing waits on this
-                self._group.get_group_store().set(self._key(self._rank), _LEFT)
+                self._say_left(self._group.get_group_store())
             return
         try:
             store = _own_client(self._group.get_group_store(), self._timeout)
         except Exception as error:  # noqa: BLE001 - liveness is a safety net, not a requirement
             logger.warning("Join: rank %d watches no liveness (no store client: %s)", self._rank, error)
             return
-        own = self._key(self._rank)
         try:
             self._watch(store, self._store_port)
         except Exception as error:  # noqa: BLE001 - see above; the main thread must not be disturbed
@@ -483,7 +492,7 @@ class LivenessWatchdog:
                 self._await_verdict_read(store)
             if not self._store_lost:
                 with suppress(Exception):  # nothing waits on this
-                    store.set(own, _LEFT)
+                    self._say_left(store)
             if self._collectives is not None:
                 self._collectives.close()
             # Release our client here, on this thread, while the process is whole: torch's store
@@ -492,6 +501,14 @@ class LivenessWatchdog:
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}{rank}"
+
+    def _failure_key(self, rank: int) -> str:
+        return f"{self._prefix}failure/{rank}"
+
+    def _say_left(self, store: Store) -> None:
+        if self._leaving == _FAILED:  # the reason first: a rank seen failed has it
+            store.set(self._failure_key(self._rank), self._failure_note[:_FAILURE_BYTES])
+        store.set(self._key(self._rank), self._leaving)
 
     def _endpoints_key(self, rank: int) -> str:
         return f"{self._prefix}endpoints/{rank}"
@@ -626,23 +643,30 @@ class LivenessWatchdog:
                 # process resumed): nobody's silence can be judged from it.
                 moved.update(dict.fromkeys(moved, now))
             last_round = now
+            failed: dict[int, str] = {}
             for rank, value in zip(watched, values):
                 value = value[:_BEAT_BYTES]
                 if value == _LEFT.encode():
                     departed.add(rank)
                     self._departed.add(rank)
+                elif value == _FAILED.encode():
+                    note = store.get(self._failure_key(rank))[:_FAILURE_BYTES].decode("utf-8", "replace")
+                    failed[rank] = f"it left the Join raising {note}"
                 elif value != last.get(rank):
                     last[rank] = value
                     moved[rank] = now
                     self._beats_seen[rank] = self._beats_seen.get(rank, 0) + 1
             if verdict_at is not None:
                 continue
-            silent = {rank: now - moved[rank] for rank in watched if rank not in departed}
+            silent = {
+                rank: now - moved[rank] for rank in watched if rank not in departed and rank not in failed
+            }
             lost = {
                 rank: f"no heartbeat for {quiet:.1f} s: it died, froze or was cut off"
                 for rank, quiet in silent.items()
                 if quiet > timeout_s
             }
+            lost.update(failed)
             if lost:
                 verdict_at = now
                 self._judge(lost, set().union(*(endpoints[rank] for rank in lost)), store_port, store)

@@ -95,10 +95,18 @@ class CollectiveMismatchError(dist.DistError):
     """The ranks' collectives on a Join's process group stopped matching while
     a rank shadowed them, or a collective cannot be shadowed.
 
-    Raised on every rank of the group at the same collective. A subclass of
-    ``torch.distributed.DistError``: every rank already knows, so the Join does
-    not run its abort protocol.
+    Raised on every rank of the group at the same collective once the
+    training ranks check (``on_every_rank``); before they do, on the joined
+    rank alone, whose Join then tells the others through the store (they
+    raise ``RankLostError`` naming it and this error).
+
+    Attributes:
+        on_every_rank: whether every rank of the group raises it.
     """
+
+    def __init__(self, message: str, on_every_rank: bool = True) -> None:
+        super().__init__(message)
+        self.on_every_rank = on_every_rank
 
 
 class _Op(NamedTuple):
@@ -420,13 +428,15 @@ class _Shadowing:
             raise CollectiveMismatchError(
                 f"ShadowCollectives: rank {self.rank} ({role}) skipped {_describe(op)}: "
                 f"{op.origin[0]}'s hook on this rank did not issue it where its last iteration did; "
-                f"{op.origin[0]} must issue the same collectives every iteration"
+                f"{op.origin[0]} must issue the same collectives every iteration",
+                on_every_rank=False,
             )
         if status != _OK:
             self.stopped = True
             raise CollectiveMismatchError(
                 f"ShadowCollectives: rank {self.rank} ({role}) cannot shadow {_describe(op)}: it is the "
-                "source of the data; take it from a rank that is still training"
+                "source of the data; take it from a rank that is still training",
+                on_every_rank=False,
             )
         _neutral_call(op, self.group, self.rank, self.world_size)
 
