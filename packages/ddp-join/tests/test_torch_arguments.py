@@ -287,6 +287,54 @@ def test_static_graph_under_join_with_uneven_inputs_matches_a_single_process() -
     torch.testing.assert_close(results[0][0], flat_params(model), rtol=1e-5, atol=1e-6)
 
 
+def _reentrant_without_static_graph(rank: int, world_size: int, ours: bool, find_unused: bool) -> str:
+    ddp = DistributedDataParallel if ours else TorchDDP
+    model = ddp(_Checkpointed(), find_unused_parameters=find_unused)
+    try:
+        loss_fn(model, *batch(rank, 0)).backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("find_unused", [False, True], ids=["all-used", "find_unused_parameters"])
+def test_a_parameter_reused_by_reentrant_checkpoints_fails_as_torchs_without_static_graph(
+    find_unused: bool,
+) -> None:
+    # Its second gradient came after it was counted: silently dropped (or, found unused, reduced as
+    # zeros and .grad left local) before; torch raises.
+    for ours in (False, True):
+        messages = run_ranks(_reentrant_without_static_graph, 2, ours, find_unused)
+        assert all("Expected to mark a variable ready only once" in m for m in messages), (ours, messages)
+    assert "static_graph=True" in messages[0] and "use_reentrant=False" in messages[0]
+
+
+def _gradient_penalty(rank: int, world_size: int, ours: bool, find_unused: bool) -> torch.Tensor:
+    ddp = DistributedDataParallel if ours else TorchDDP
+    model = ddp(make_model(), find_unused_parameters=find_unused)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        x, y = batch(rank, step)
+        x.requires_grad_(True)
+        out = model(x)
+        # A pass that accumulates nothing into .grad, before the iteration's backward.
+        (dx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (torch.nn.functional.mse_loss(out, y) + dx.pow(2).mean()).backward()
+        optimizer.step()
+    return flat_params(model)
+
+
+@pytest.mark.parametrize("find_unused", [False, True], ids=["all-used", "find_unused_parameters"])
+def test_a_gradient_penalty_through_autograd_grad_is_reduced_with_the_backward_as_torchs(
+    find_unused: bool,
+) -> None:
+    theirs = run_ranks(_gradient_penalty, 2, False, False)
+    ours = run_ranks(_gradient_penalty, 2, True, find_unused)
+    assert torch.equal(ours[0], ours[1])
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+
+
 def _reduce_in(rank: int, world_size: int, steps: int) -> list[torch.Tensor]:
     model = DistributedDataParallel(make_model(), mixed_precision=_Precision(reduce_dtype=torch.float16))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -71,6 +71,7 @@ class Reducer:
         self._used_since_sync = [False] * len(params)  # find_unused_parameters, across no_sync
         # Used flags ride in the metadata: with find_unused_parameters or static_graph.
         self._flags_in_meta = find_unused_parameters or static_graph
+        self._find_unused = find_unused_parameters
         # static_graph: how many times each gradient is accumulated per backward; None until learned.
         self._static_counts: list[int] | None = None
         self.divide_by_initial_world_size = True
@@ -144,6 +145,7 @@ class Reducer:
         self._unused_now: list[int] = []  # find_unused_parameters: not reached by this forward
         self._hook_counts = [0] * len(self._params)  # static_graph: accumulations this backward
         self._backward_started = False
+        self._accumulated = 0  # gradients accumulated into .grad this backward
         # A distributed autograd backward: the gradients it computes for its
         # context, by parameter index (filled with the averages at the end).
         self._distributed = False
@@ -158,6 +160,7 @@ class Reducer:
         def hook(param: torch.Tensor) -> None:
             if not self._open:
                 return
+            self._accumulated += 1
             self.start_backward()
             if self.static_graph:
                 self._hook_counts[index] += 1
@@ -165,6 +168,10 @@ class Reducer:
                 # a gradient accumulated several times is ready at its last time.
                 if self._static_counts is None or self._hook_counts[index] < self._static_counts[index]:
                     return
+            else:
+                bucket, position = self._where[index]
+                if bucket.ready[position]:
+                    raise RuntimeError(_ready_twice(index, param))
             self._grad_ready(index, param.grad)
 
         return hook
@@ -313,6 +320,13 @@ class Reducer:
         hand Join the heartbeat."""
         if self._distributed and any(bucket.pending for bucket in self._buckets):
             # Gradients still to come in later passes of this distributed backward.
+            self._callback_queued = False
+            return
+        if not self._distributed and self._accumulated == 0 and len(self._unused_now) < len(self._params):
+            # A pass that accumulated no gradient though the forward reached parameters:
+            # torch.autograd.grad (a gradient penalty) or backward(inputs=...). The
+            # iteration's backward is still to come.
+            self._backward_started = False
             self._callback_queued = False
             return
         if self.static_graph and self._static_counts is None:
@@ -690,3 +704,13 @@ class _Refused(dist.Work):
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         raise self.failure
+
+
+def _ready_twice(index: int, param: torch.Tensor) -> str:
+    return (
+        f"Expected to mark a variable ready only once: DistributedDataParallel parameter {index} "
+        f"(shape {tuple(param.shape)}) got a second gradient in one backward, after it was counted "
+        "(reduced, or found unused by find_unused_parameters). It is used outside forward(), or in "
+        "several reentrant backward passes (torch.utils.checkpoint(..., use_reentrant=True)); pass "
+        "static_graph=True if the graph is the same every iteration, or use use_reentrant=False"
+    )
