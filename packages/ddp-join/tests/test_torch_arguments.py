@@ -335,6 +335,59 @@ def test_a_gradient_penalty_through_autograd_grad_is_reduced_with_the_backward_a
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
 
 
+class _Reassigning(torch.nn.Module):
+    """Replaces its buffer in each forward (a new tensor, as ``self.seen = self.seen + n`` does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.seen: torch.Tensor
+        self.register_buffer("seen", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = self.seen + x.shape[0] * (dist.get_rank() + 1)
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+def _reassigned_buffer(rank: int, world_size: int, ours: bool) -> list[float]:
+    torch.manual_seed(0)
+    module = _Reassigning()
+    model = DistributedDataParallel(module) if ours else TorchDDP(module)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for step in range(3):
+        optimizer.zero_grad()
+        loss_fn(model, *batch(rank, step)).backward()
+        optimizer.step()
+        seen.append(float(module.seen))
+    return seen
+
+
+def test_a_buffer_reassigned_in_forward_is_still_broadcast_as_torchs() -> None:
+    ours = run_ranks(_reassigned_buffer, 2, True)
+    assert ours == run_ranks(_reassigned_buffer, 2, False)
+    assert ours[1] == [10.0, 15.0, 20.0]  # rank 0's count before each forward, plus its own 5 * 2
+
+
+def _nested_round_trip(rank: int, world_size: int) -> None:
+    parent = torch.nn.ModuleDict({"g": DistributedDataParallel(make_model())})
+    state = parent.state_dict()
+    assert all(key.startswith("g.") and not key.startswith("g.module.") for key in state), list(state)
+    other = torch.nn.ModuleDict({"g": DistributedDataParallel(make_model(seed=1))})
+    other.load_state_dict(state)
+    assert torch.equal(flat_params(other["g"]), flat_params(parent["g"]))
+    # A checkpoint saved with torch's wrapper (keys under "g.module.") loads too.
+    torch_style = {key.replace("g.", "g.module.", 1): value for key, value in state.items()}
+    third = torch.nn.ModuleDict({"g": DistributedDataParallel(make_model(seed=2))})
+    third.load_state_dict(torch_style)
+    assert torch.equal(flat_params(third["g"]), flat_params(parent["g"]))
+
+
+def test_a_parent_module_saves_and_loads_the_wrapper_in_its_state_dict() -> None:
+    run_ranks(_nested_round_trip, 1)
+
+
 def _reduce_in(rank: int, world_size: int, steps: int) -> list[torch.Tensor]:
     model = DistributedDataParallel(make_model(), mixed_precision=_Precision(reduce_dtype=torch.float16))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

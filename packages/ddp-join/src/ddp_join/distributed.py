@@ -248,6 +248,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
 
         self._buffers_list = list(module.buffers())
         self._hook_registered = False
+        self.register_load_state_dict_pre_hook(_keys_under_module)  # type: ignore[no-untyped-call]
         if init_sync:
             synced = list(module.parameters()) + (self._buffers_list if init_sync_buffers else [])
             self._broadcast_coalesced(synced, global_rank(group, 0), group)
@@ -477,6 +478,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
 
     def _sync_buffers(self) -> None:
         reducer = self._reducer
+        # Read again: a forward may reassign a buffer (self.count = self.count + 1), and .to()
+        # or .double() replace them; the old tensors are nobody's any more.
+        self._buffers_list = list(self.module.buffers())
         while self._buffers_list:
             try:
                 group = reducer.process_group
@@ -508,9 +512,19 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         candidate = torch.tensor([reducer.rank if is_last_joiner else -1], device=self.device)
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=group)
         src = global_rank(group, int(candidate.item()))
-        buffers = self._buffers_list if self.forward_sync_buffers else []
+        buffers = list(self.module.buffers()) if self.forward_sync_buffers and self._buffers_list else []
         self._broadcast_coalesced(list(self.module.parameters()) + buffers, src, group)
         reducer.buffer_src = 0  # after the Join, buffers come from rank 0 again
+
+
+def _keys_under_module(
+    wrapper: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: object
+) -> None:
+    """A parent module loads a state dict holding this wrapper: its keys come without
+    ``module.`` (see ``state_dict()``), where the inner module's loader looks for them."""
+    inner = f"{prefix}module."
+    for key in [key for key in state_dict if key.startswith(prefix) and not key.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
 def _reject_unsupported(
