@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,6 +72,30 @@ def test_every_surviving_rank_names_a_lost_rank_within_seconds(carries: bool, ho
     # Only the lost rank failed: the survivors' own checks passed.
     assert list(failed.value.failures) == [2], str(failed.value)
     assert "exited with code -9" in failed.value.failures[2]
+
+
+def _start_again_after_a_loss(rank: int, world_size: int, path: str) -> None:
+    """Rank 2 is killed; the survivors destroy the process group and make a new one in the same
+    process (the default group gets the same name again): the verdict must not follow them."""
+    joinable = CountingJoinable(False)
+    with contextlib.suppress(RankLostError), Join([joinable]):
+        for i in range(100_000):
+            if rank == 2 and i == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            joinable.step(1.0)
+    name = dist.group.WORLD.group_name  # type: ignore[union-attr]
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    assert dist.group.WORLD.group_name == name  # type: ignore[union-attr]
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == 2.0
+
+
+def test_survivors_that_make_a_new_process_group_in_the_same_process_can_use_it(tmp_path: Path) -> None:
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_start_again_after_a_loss, 3, str(tmp_path / "store"), timeout=60)
+    assert list(failed.value.failures) == [2], str(failed.value)
 
 
 def _hog_the_gil(seconds: float) -> None:

@@ -76,6 +76,7 @@ class CollectiveWatch:
     def __init__(self, group: dist.ProcessGroup, hang_timeout: timedelta | None, prefix: str) -> None:
         self._recorder = record_collectives()
         self._group = group.group_name
+        self._process_group = group
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
         self._hang_timeout = hang_timeout.total_seconds() if hang_timeout is not None else None
@@ -125,7 +126,7 @@ class CollectiveWatch:
             found = find_desync(windows)
             if found is not None:
                 self.verdict = CollectiveDesyncError(f"{found}. The process group cannot be used any more")
-                self._recorder.set_verdict(self._group, self.verdict)
+                self._recorder.set_verdict(self._group, self.verdict, self._process_group)
                 self.write_dump(store, "desync", str(self.verdict))
                 return self.verdict
         self._hang_round(store, bodies)

@@ -691,7 +691,7 @@ class LivenessWatchdog:
                 store.set(self._read_key(self._rank), "1")
         self._verdict = lost
         error = RankLostError(lost)
-        record_collectives().set_verdict(self._group.group_name, error)
+        record_collectives().set_verdict(self._group.group_name, error, self._group)
         self._fail(error, peers, store_port, store)
 
     def _fail(

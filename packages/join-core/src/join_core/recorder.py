@@ -176,7 +176,8 @@ class CollectiveRecorder:
         self._capacity = capacity
         self._groups: dict[dist.ProcessGroup, tuple[str, Iterator[int]]] = {}  # -> its name, its numbers
         self._pending: dict[int, tuple[Any, CollectiveRecord]] = {}  # id(work) -> (work, record)
-        self._verdicts: dict[str, BaseException] = {}  # group name -> the fatal verdict
+        # group name -> the fatal verdict, and the group it is on (None: any of that name)
+        self._verdicts: dict[str, tuple[BaseException, dist.ProcessGroup | None]] = {}
         # group name -> what may explain a failed wait at once (a watch judging a closed connection)
         self._explainers: dict[str, Callable[[BaseException], None]] = {}
         self._lock = threading.Lock()
@@ -219,13 +220,23 @@ class CollectiveRecorder:
         )
         return times[len(times) // 2] if times else None
 
-    def set_verdict(self, group: str, error: BaseException) -> None:
-        """Make every later collective on ``group`` raise ``error``, and a failed one re-raise as it."""
-        self._verdicts.setdefault(group, error)
+    def set_verdict(
+        self, group: str, error: BaseException, process_group: dist.ProcessGroup | None = None
+    ) -> None:
+        """Make every later collective on ``group`` raise ``error``, and a failed one re-raise as it.
+
+        With ``process_group``, only on that group: a group made later under the same name
+        (``destroy_process_group()`` and a new default group, to go on in the same process) is
+        not concerned.
+        """
+        known = self._verdicts.get(group)
+        if known is None or (process_group is not None and known[1] is not process_group):
+            self._verdicts[group] = (error, process_group)  # the first, or one on a replaced group
 
     def verdict(self, group: str) -> BaseException | None:
         """The fatal verdict on ``group``, if a watch reached one."""
-        return self._verdicts.get(group)
+        found = self._verdicts.get(group)
+        return None if found is None else found[0]
 
     def set_explainer(self, group: str, explain: Callable[[BaseException], None] | None) -> None:
         """Have ``explain(error)`` called first when a wait on ``group`` fails
@@ -256,7 +267,9 @@ class CollectiveRecorder:
         name = known[0]
         verdict = self._verdicts.get(name)
         if verdict is not None:
-            raise verdict
+            if verdict[1] is None or verdict[1] is group:
+                raise verdict[0]
+            self._verdicts.pop(name, None)  # on a group that was replaced by this one
         code, offset, function = _user_frame(caller)
         if len(tensors) == 1:  # the common case, without the generators
             tensor = tensors[0]
