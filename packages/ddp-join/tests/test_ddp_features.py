@@ -82,6 +82,13 @@ def _per_gradient_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[t
     return _done(bucket.buffer())
 
 
+def _packed_hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Written for torch's buffer, which has no padding: returns the gradients packed."""
+    packed = torch.cat([grad.reshape(-1) for grad in bucket.gradients()]).div_(dist.get_world_size())
+    fut: torch.futures.Future[list[torch.Tensor]] = dist.all_reduce(packed, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
 def _done(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(tensor)
@@ -97,13 +104,14 @@ HOOKS = {
     "bf16_compress_wrapper(custom)": bf16_compress_wrapper(_sum_hook),
     "custom": _sum_hook,
     "per_gradient": _per_gradient_hook,
+    "packed": _packed_hook,
 }
 
 
 def _with_hook(rank: int, world_size: int, device: str, backend: str, hook_name: str) -> torch.Tensor:
     dev = rank_device(device, backend, rank)
-    # One parameter per bucket, except for the hook that reads a bucket's gradients one by one.
-    cap = 25.0 if hook_name == "per_gradient" else 0.0001
+    # One parameter per bucket, except for the hooks that read a bucket's gradients one by one.
+    cap = 25.0 if hook_name in ("per_gradient", "packed") else 0.0001
     model = DistributedDataParallel(
         make_model().to(dev), device_ids=[dev] if dev.type == "cuda" else None, bucket_cap_mb=cap
     )

@@ -42,6 +42,31 @@ def group_parameters(params: Sequence[torch.nn.Parameter], caps: list[int]) -> l
     return groups
 
 
+def in_bucket_layout(
+    value: torch.Tensor, index: int, params: Sequence[torch.nn.Parameter], offsets: Sequence[int], size: int
+) -> torch.Tensor:
+    """A communication hook's result laid out as its bucket's buffer (``size`` elements, each
+    gradient at its aligned offset). torch's buffer has no padding, so a hook written for it
+    may return the gradients packed one after the other: those are spread out."""
+    if value.numel() == size:
+        return value
+    packed = sum(param.numel() for param in params)
+    if value.numel() != packed:
+        raise ValueError(
+            f"a communication hook returned {value.numel()} elements for bucket {index}, whose "
+            f"buffer() holds {size} ({packed} of them gradients): return a tensor shaped as "
+            "bucket.buffer() (or the gradients packed one after the other)"
+        )
+    flat = value.reshape(-1)
+    laid = torch.zeros(size, dtype=value.dtype, device=value.device)
+    start = 0
+    for param, offset in zip(params, offsets):
+        count = param.numel()
+        laid[offset : offset + count] = flat[start : start + count]
+        start += count
+    return laid
+
+
 @dataclass
 class Bucket:
     """Parameters whose gradients are reduced together, in one flat buffer.
@@ -131,4 +156,4 @@ class Bucket:
             assert self.reduced is not None
             return self.reduced
         assert self.future is not None
-        return self.future.wait()
+        return in_bucket_layout(self.future.wait(), self.index, self.params, self.offsets, self.grads.numel())

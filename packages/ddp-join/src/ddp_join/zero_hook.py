@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ddp_join._bucket import in_bucket_layout
 from ddp_join.comm_hooks import CommHook, GradBucket
 from ddp_join.distributed import DistributedDataParallel
 from ddp_join.zero import ZeroRedundancyOptimizer
@@ -62,8 +63,9 @@ def hook_with_zero_step(
         )
 
     def hook_with_zero(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        reduced = hook(state, bucket).wait()
         params = bucket.parameters()
+        size = bucket.buffer().numel()
+        reduced = in_bucket_layout(hook(state, bucket).wait(), bucket.index(), params, bucket._offsets, size)
         grads = [  # cast back from a compressing hook's dtype (fp16_compress_wrapper)
             reduced[offset : offset + param.numel()].view_as(param).to(param.dtype)
             for param, offset in zip(params, bucket._offsets)
