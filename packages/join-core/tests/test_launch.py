@@ -67,16 +67,26 @@ def test_a_worker_raising_while_others_run_is_lost_with_its_error() -> None:
     _clean(run)
 
 
-def test_the_agents_log_directory_goes_with_the_job_unless_asked_for(tmp_path: Path) -> None:
+def test_the_agents_log_directory_goes_with_the_job(tmp_path: Path) -> None:
     # The workers' error files live there: the error still reaches the summary.
-    temporary, kept = tmp_path / "tmp", tmp_path / "logs"
+    temporary = tmp_path / "tmp"
     temporary.mkdir()
-    env = {"TMPDIR": str(temporary)}
-    run = run_launch(WORKER, 2, "--raise", "1", timeout=TIMEOUT, env=env)
+    run = run_launch(WORKER, 2, "--raise", "1", timeout=TIMEOUT, env={"TMPDIR": str(temporary)})
     assert "ValueError: rank 1 was told to fail" in run.output, _report(run)
     assert list(temporary.iterdir()) == [], _report(run)
+
+
+def test_a_log_directory_asked_for_is_kept(tmp_path: Path) -> None:
+    temporary, kept = tmp_path / "tmp", tmp_path / "logs"
+    temporary.mkdir()
     run = run_launch(
-        WORKER, 2, "--raise", "1", launch_args=["--log-dir", str(kept)], timeout=TIMEOUT, env=env
+        WORKER,
+        2,
+        "--raise",
+        "1",
+        launch_args=["--log-dir", str(kept)],
+        timeout=TIMEOUT,
+        env={"TMPDIR": str(temporary)},
     )
     assert "ValueError: rank 1 was told to fail" in run.output, _report(run)
     assert list(temporary.iterdir()) == [] and list(kept.rglob("error.json")), _report(run)
