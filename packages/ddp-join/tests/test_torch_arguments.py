@@ -6,6 +6,7 @@ rejected by name."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 import warnings
@@ -386,6 +387,59 @@ def _nested_round_trip(rank: int, world_size: int) -> None:
 
 def test_a_parent_module_saves_and_loads_the_wrapper_in_its_state_dict() -> None:
     run_ranks(_nested_round_trip, 1)
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = torch.nn.Linear(4, 2)
+        self.unused = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.used(x)
+        return out
+
+
+def _never_used_with_views(rank: int, world_size: int, ours: bool) -> tuple[torch.Tensor, bool]:
+    module = _WithUnused()
+    ddp = DistributedDataParallel if ours else TorchDDP
+    model = ddp(module, gradient_as_bucket_view=True, find_unused_parameters=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    for step in range(3):
+        optimizer.zero_grad(set_to_none=False)
+        loss_fn(model, *batch(rank, step)).backward()
+        optimizer.step()
+    return flat_params(model), module.unused.weight.grad is None
+
+
+def test_a_parameter_never_used_keeps_no_gradient_with_bucket_views_as_torchs() -> None:
+    # Its .grad was a zero view of the bucket from the start: AdamW's weight decay moved it.
+    theirs = run_ranks(_never_used_with_views, 2, False)
+    ours = run_ranks(_never_used_with_views, 2, True)
+    assert ours[0][1] and theirs[0][1]
+    torch.testing.assert_close(ours[0][0], theirs[0][0], rtol=1e-5, atol=1e-6)
+
+
+def _deep_copied(rank: int, world_size: int) -> torch.Tensor:
+    model = DistributedDataParallel(make_model(), bucket_cap_mb=0.0001)
+    ema = copy.deepcopy(model)
+    assert type(ema) is DistributedDataParallel
+    assert ema.module is not model.module
+    assert ema.find_unused_parameters == model.find_unused_parameters
+    assert torch.equal(flat_params(ema), flat_params(model))
+    for wrapper in (model, ema):  # each reduces its own gradients
+        optimizer = torch.optim.SGD(wrapper.parameters(), lr=0.1)
+        loss_fn(wrapper, *batch(rank, 0)).backward()
+        optimizer.step()
+    assert torch.equal(flat_params(ema), flat_params(model))
+    return flat_params(ema)
+
+
+def test_a_deep_copy_of_the_wrapper_is_a_wrapper_that_trains_on_its_own_as_torchs() -> None:
+    first, second = run_ranks(_deep_copied, 2)
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, reference([1, 1], lambda ps: torch.optim.SGD(ps, lr=0.1)))
 
 
 def _reduce_in(rank: int, world_size: int, steps: int) -> list[torch.Tensor]:

@@ -116,8 +116,13 @@ class Reducer:
             bucket = Bucket(index, params, offsets, meta_len, buffer)
             bucket.as_view = gradient_as_bucket_view and dtype == params[0].dtype
             if bucket.as_view:
+                # As torch: a gradient already there becomes a view of the bucket; the others
+                # do when they arrive (one never used stays None, so optimizers skip it).
                 for position, param in enumerate(params):
-                    param.grad = bucket.grad_view(position)
+                    if param.grad is not None:
+                        view = bucket.grad_view(position)
+                        view.copy_(param.grad)
+                        param.grad = view
             buckets.append(bucket)
         return buckets
 

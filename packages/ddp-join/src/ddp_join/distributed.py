@@ -9,6 +9,7 @@ hook's (``ddp_join._join_hook``)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -200,6 +201,21 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 )
             process_group = device_mesh.get_group(mesh_dim=0)
         self.device_mesh = device_mesh
+        # What a deep copy is built with (see __deepcopy__).
+        self._copy_arguments: dict[str, Any] = {
+            "device_ids": device_ids,
+            "output_device": output_device,
+            "dim": dim,
+            "process_group": process_group if device_mesh is None else None,
+            "bucket_cap_mb": bucket_cap_mb,
+            "find_unused_parameters": find_unused_parameters,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "static_graph": static_graph,
+            "mixed_precision": mixed_precision,
+            "device_mesh": device_mesh,
+            "bucket_cap_mb_list": bucket_cap_mb_list,
+            "batched_grad_copy": batched_grad_copy,
+        }
         group = resolve_group(process_group, "DistributedDataParallel")
         record_collectives()  # numbered from here on every rank: hang reports and desyncs name them
         self.module: ModuleT = module
@@ -463,6 +479,15 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DistributedDataParallel[ModuleT]:
+        """A wrapper of its own, with the same arguments and process group, around a deep copy
+        of the module (e.g. for an EMA model); as torch's copy, it has no communication hook
+        and broadcasts nothing when made. Every rank copies at the same point."""
+        module = copy.deepcopy(self.module, memo)
+        return type(self)(
+            module, init_sync=False, forward_sync_buffers=self.forward_sync_buffers, **self._copy_arguments
+        )
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The inner module's state dict (keys without a ``module.`` prefix)."""
