@@ -442,6 +442,28 @@ def test_a_deep_copy_of_the_wrapper_is_a_wrapper_that_trains_on_its_own_as_torch
     torch.testing.assert_close(first, reference([1, 1], lambda ps: torch.optim.SGD(ps, lr=0.1)))
 
 
+def _with_ignored(rank: int, world_size: int, ours: bool) -> torch.Tensor:
+    torch.manual_seed(rank)  # each rank's own values: the ignored layer keeps them
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    ddp = DistributedDataParallel if ours else TorchDDP
+    ddp._set_params_and_buffers_to_ignore_for_model(module, ["2.weight", "2.bias"])
+    model = ddp(module)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        optimizer.zero_grad()
+        loss_fn(model, *batch(rank, step)).backward()
+        optimizer.step()
+    return flat_params(module)
+
+
+def test_parameters_set_to_be_ignored_are_neither_broadcast_nor_reduced_as_torchs() -> None:
+    ours, theirs = run_ranks(_with_ignored, 2, True), run_ranks(_with_ignored, 2, False)
+    for rank in range(2):
+        torch.testing.assert_close(ours[rank], theirs[rank], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(ours[0][-10:], ours[1][-10:])  # the ignored layer differs between ranks
+    assert torch.equal(ours[0][:20], ours[1][:20])
+
+
 def _reduce_in(rank: int, world_size: int, steps: int) -> list[torch.Tensor]:
     model = DistributedDataParallel(make_model(), mixed_precision=_Precision(reduce_dtype=torch.float16))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

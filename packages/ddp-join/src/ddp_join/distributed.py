@@ -219,7 +219,10 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         group = resolve_group(process_group, "DistributedDataParallel")
         record_collectives()  # numbered from here on every rank: hang reports and desyncs name them
         self.module: ModuleT = module
-        params = [p for p in module.parameters() if p.requires_grad]
+        #: Names of parameters and buffers left alone (torch's ``_ddp_params_and_buffers_to_ignore``,
+        #: see :meth:`_set_params_and_buffers_to_ignore_for_model`): not broadcast, not reduced.
+        self.parameters_to_ignore: set[str] = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        params = [p for p in self._synced_parameters() if p.requires_grad]
         if not params:
             raise ValueError(
                 "DistributedDataParallel: the module has no parameter that requires a gradient; "
@@ -262,11 +265,11 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         #: Whether forwards broadcast buffers (with ``forward_sync_buffers``).
         self.require_forward_param_sync = True
 
-        self._buffers_list = list(module.buffers())
+        self._buffers_list = self._synced_buffers()
         self._hook_registered = False
         self.register_load_state_dict_pre_hook(_keys_under_module)  # type: ignore[no-untyped-call]
         if init_sync:
-            synced = list(module.parameters()) + (self._buffers_list if init_sync_buffers else [])
+            synced = self._synced_parameters() + (self._buffers_list if init_sync_buffers else [])
             self._broadcast_coalesced(synced, global_rank(group, 0), group)
         self._reducer = Reducer(
             self,
@@ -480,6 +483,21 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
 
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: torch.nn.Module, params_and_buffers_to_ignore: Any
+    ) -> None:
+        """Leave the parameters and buffers named in ``params_and_buffers_to_ignore`` (as
+        ``module.named_parameters()`` names them) out of every broadcast and reduction of a
+        wrapper made of ``module`` afterwards; torch's (tensor parallelism beside DDP uses it)."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+
+    def _synced_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for name, p in self.module.named_parameters() if name not in self.parameters_to_ignore]
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        return [b for name, b in self.module.named_buffers() if name not in self.parameters_to_ignore]
+
     def __deepcopy__(self, memo: dict[int, Any]) -> DistributedDataParallel[ModuleT]:
         """A wrapper of its own, with the same arguments and process group, around a deep copy
         of the module (e.g. for an EMA model); as torch's copy, it has no communication hook
@@ -505,7 +523,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         reducer = self._reducer
         # Read again: a forward may reassign a buffer (self.count = self.count + 1), and .to()
         # or .double() replace them; the old tensors are nobody's any more.
-        self._buffers_list = list(self.module.buffers())
+        self._buffers_list = self._synced_buffers()
         while self._buffers_list:
             try:
                 group = reducer.process_group
@@ -537,8 +555,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         candidate = torch.tensor([reducer.rank if is_last_joiner else -1], device=self.device)
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=group)
         src = global_rank(group, int(candidate.item()))
-        buffers = list(self.module.buffers()) if self.forward_sync_buffers and self._buffers_list else []
-        self._broadcast_coalesced(list(self.module.parameters()) + buffers, src, group)
+        buffers = self._synced_buffers() if self.forward_sync_buffers and self._buffers_list else []
+        self._broadcast_coalesced(self._synced_parameters() + buffers, src, group)
         reducer.buffer_src = 0  # after the Join, buffers come from rank 0 again
 
 
