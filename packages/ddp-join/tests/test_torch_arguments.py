@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import math
 import warnings
@@ -383,6 +384,14 @@ def _nested_round_trip(rank: int, world_size: int) -> None:
     third = torch.nn.ModuleDict({"g": DistributedDataParallel(make_model(seed=2))})
     third.load_state_dict(torch_style)
     assert torch.equal(flat_params(third["g"]), flat_params(parent["g"]))
+    # An inner module with a child named "module": its keys look like torch's, and are not.
+    holder = torch.nn.Module()
+    holder.module = make_model()
+    nested = torch.nn.ModuleDict({"g": DistributedDataParallel(holder)})
+    other_holder = torch.nn.Module()
+    other_holder.module = make_model(seed=1)
+    torch.nn.ModuleDict({"g": DistributedDataParallel(other_holder)}).load_state_dict(nested.state_dict())
+    assert torch.equal(flat_params(other_holder), flat_params(holder))
 
 
 def test_a_parent_module_saves_and_loads_the_wrapper_in_its_state_dict() -> None:
@@ -462,6 +471,71 @@ def test_parameters_set_to_be_ignored_are_neither_broadcast_nor_reduced_as_torch
         torch.testing.assert_close(ours[rank], theirs[rank], rtol=1e-5, atol=1e-6)
     assert not torch.equal(ours[0][-10:], ours[1][-10:])  # the ignored layer differs between ranks
     assert torch.equal(ours[0][:20], ours[1][:20])
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+
+
+class _DataclassOutput(_WithUnused):
+    def forward(self, x: torch.Tensor) -> _Output:  # type: ignore[override]
+        return _Output(self.used(x))
+
+
+def _dataclass_output(rank: int, world_size: int, ours: bool) -> torch.Tensor:
+    ddp = DistributedDataParallel if ours else TorchDDP
+    model = ddp(_DataclassOutput(), find_unused_parameters=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        optimizer.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.mse_loss(model(x).logits, y).backward()
+        optimizer.step()
+    return flat_params(model)
+
+
+def test_find_unused_parameters_looks_for_the_outputs_inside_a_dataclass_as_torchs() -> None:
+    ours, theirs = run_ranks(_dataclass_output, 2, True), run_ranks(_dataclass_output, 2, False)
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+
+
+class _SecondUsedOnRankOne(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = torch.nn.Linear(4, 2)
+        self.second = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.used(x)
+        return out + self.second(x) if dist.get_rank() == 1 else out
+
+
+def _input_gradient_then_train(rank: int, world_size: int, ours: bool) -> torch.Tensor:
+    ddp = DistributedDataParallel if ours else TorchDDP
+    # The ranks' unused parameters differ: a pass that launched reductions of its own would
+    # leave them out of step.
+    model = ddp(_SecondUsedOnRankOne(), find_unused_parameters=True, bucket_cap_mb=0.0001)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        optimizer.zero_grad()
+        x, y = batch(rank, step)
+        x.requires_grad_(True)
+        # An adversarial example: a forward whose only backward is torch.autograd.grad.
+        (dx,) = torch.autograd.grad(model(x).sum(), x)
+        loss_fn(model, (x + 0.1 * dx.sign()).detach(), y).backward()
+        optimizer.step()
+    return flat_params(model)
+
+
+def test_forwards_followed_by_autograd_grad_alone_leave_the_reduction_to_the_next_backward() -> None:
+    ours, theirs = (
+        run_ranks(_input_gradient_then_train, 2, True),
+        run_ranks(_input_gradient_then_train, 2, False),
+    )
+    assert torch.equal(ours[0], ours[1])
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
 
 
 def _reduce_in(rank: int, world_size: int, steps: int) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ on the survivors' group (:meth:`Reducer.recover`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Final
@@ -71,7 +72,6 @@ class Reducer:
         self._used_since_sync = [False] * len(params)  # find_unused_parameters, across no_sync
         # Used flags ride in the metadata: with find_unused_parameters or static_graph.
         self._flags_in_meta = find_unused_parameters or static_graph
-        self._find_unused = find_unused_parameters
         # static_graph: how many times each gradient is accumulated per backward; None until learned.
         self._static_counts: list[int] | None = None
         self.divide_by_initial_world_size = True
@@ -151,6 +151,7 @@ class Reducer:
         self._hook_counts = [0] * len(self._params)  # static_graph: accumulations this backward
         self._backward_started = False
         self._accumulated = 0  # gradients accumulated into .grad this backward
+        self._unused_marked = False  # see _mark_unused
         # A distributed autograd backward: the gradients it computes for its
         # context, by parameter index (filled with the averages at the end).
         self._distributed = False
@@ -167,6 +168,7 @@ class Reducer:
                 return
             self._accumulated += 1
             self.start_backward()
+            self._mark_unused()
             if self.static_graph:
                 self._hook_counts[index] += 1
                 # Learning: every bucket is reduced at the end of backward. Later:
@@ -227,8 +229,7 @@ class Reducer:
         )
 
     def start_backward(self, _: object = None) -> None:
-        """First gradient of a syncing backward: schedule the end, and count
-        parameters this forward did not reach as ready."""
+        """A syncing backward reached an output or a parameter: schedule its end."""
         if self._backward_started or not self._open:
             return
         self._backward_started = True
@@ -236,6 +237,16 @@ class Reducer:
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
+        if self._distributed:
+            self._mark_unused()
+
+    def _mark_unused(self) -> None:
+        """At a backward's first gradient: count the parameters this forward did not reach as
+        ready, so that their buckets go early. Not before: a pass that accumulates no gradient
+        (torch.autograd.grad) must launch nothing (see _finish_backward)."""
+        if self._unused_marked:
+            return
+        self._unused_marked = True
         for index in self._unused_now:
             self._grad_ready(index, None)
 
@@ -689,7 +700,8 @@ class Reducer:
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``value``, a tensor or lists, tuples and dicts of them."""
+    """The tensors in ``value``, a tensor or lists, tuples, dicts and dataclasses of them (as
+    torch's DDP looks for them in a module's output)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
@@ -698,6 +710,9 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from tensors_in(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, field.name))
 
 
 class _Refused(dist.Work):

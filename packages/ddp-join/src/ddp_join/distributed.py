@@ -564,10 +564,12 @@ def _keys_under_module(
     wrapper: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: object
 ) -> None:
     """A parent module loads a state dict holding this wrapper: its keys come without
-    ``module.`` (see ``state_dict()``), where the inner module's loader looks for them."""
-    inner = f"{prefix}module."
-    for key in [key for key in state_dict if key.startswith(prefix) and not key.startswith(inner)]:
-        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+    ``module.`` (see ``state_dict()``), where the inner module's loader looks for them. Keys
+    that are not the inner module's own (torch's, saved with ``module.``) stay as they are."""
+    inner = wrapper.get_submodule("module")
+    own = set(inner.state_dict(keep_vars=True))
+    for key in [key for key in state_dict if key.startswith(prefix) and key[len(prefix) :] in own]:
+        state_dict[f"{prefix}module.{key[len(prefix) :]}"] = state_dict.pop(key)
 
 
 def _reject_unsupported(
