@@ -257,7 +257,11 @@ class Join:
                 except BaseException as failure:
                     if isinstance(failure, Exception):
                         self._raise_if_rank_lost(failure)
-                    if not _raised_on_every_rank(failure):
+                    if not (
+                        self._done  # an early termination or an abort: every rank raises
+                        or _raised_on_every_rank(failure)
+                        or isinstance(failure, (RankLostError, CollectiveDesyncError))  # a verdict
+                    ):
                         untold = failure  # the others wait in collectives it shadowed
                     raise
             elif self._raise_if_rank_lost(exc):

@@ -650,7 +650,10 @@ class LivenessWatchdog:
                     departed.add(rank)
                     self._departed.add(rank)
                 elif value == _FAILED.encode():
-                    note = store.get(self._failure_key(rank))[:_FAILURE_BYTES].decode("utf-8", "replace")
+                    try:
+                        note = store.get(self._failure_key(rank))[:_FAILURE_BYTES].decode("utf-8", "replace")
+                    except Exception:  # noqa: BLE001 - gone with its store: it failed all the same
+                        note = "an error (its reason could not be read)"
                     failed[rank] = f"it left the Join raising {note}"
                 elif value != last.get(rank):
                     last[rank] = value
