@@ -85,7 +85,7 @@ class _Deadlines:
 
     def _run(self) -> None:
         while True:
-            expired: list[tuple[Future[Any], str]] = []
+            expired: list[tuple[Future[Any], _Call, tuple[str, str, object, object], float]] = []
             with self._cond:
                 while not self._stopped and (not self._heap or self._heap[0][0] > time.monotonic()):
                     delay = self._heap[0][0] - time.monotonic() if self._heap else None
@@ -99,7 +99,7 @@ class _Deadlines:
                     if result is not None and what is not None:
                         call.result, call.what = None, None  # claimed
                         self._live -= 1
-                        expired.append((result, f"{call.describe(what)}: no reply within {timeout:g} s"))
+                        expired.append((result, call, what, timeout))  # described outside the lock
             if expired:
                 # On a thread of their own: a future's callbacks run on the thread that completes
                 # it, and one that waits for another call (which may time out too) must not stop
@@ -110,9 +110,15 @@ class _Deadlines:
             del expired  # keep no finished call alive in this frame
 
 
-def _time_out(expired: list[tuple[Future[Any], str]]) -> None:
-    for result, why in expired:
-        fail(result, TimeoutError(f"{why}; pass a larger timeout, or timeout=0 to wait without limit"))
+def _time_out(expired: list[tuple[Future[Any], _Call, tuple[str, str, object, object], float]]) -> None:
+    for result, call, what, timeout in expired:
+        fail(
+            result,
+            TimeoutError(
+                f"{call.describe(what)}: no reply within {timeout:g} s; pass a larger timeout, "
+                "or timeout=0 to wait without limit"
+            ),
+        )
 
 
 def _describe(request: tuple[object, ...]) -> str:
