@@ -25,9 +25,11 @@ from tpb_workers import (
     free_port,
     frozen_host_f0,
     serve_until,
+    serve_until_liveness,
     serve_until_told,
     spawned,
     static_survivor_k0,
+    survivor_whose_callback_blocks,
     zombie_f2,
 )
 
@@ -100,6 +102,29 @@ def test_a_killed_worker_is_named_lost_at_once_and_the_static_group_goes_on_and_
         assert outcome == "no error" and seconds < 10.0, (name, outcome, seconds)
     assert any("without k2, lost" in w for w in done["k0"][2]), done["k0"][2]
     assert [w.exitcode for w in workers] == [0, 0, -signal.SIGKILL]
+
+
+def test_a_callback_of_a_call_failed_by_the_liveness_watch_does_not_stop_its_keepalives() -> None:
+    # The watch failed k0's call to the stopped k2: had the call's callback (blocking for three
+    # liveness timeouts) run on the watch's thread, k0 would have sent k1 nothing meanwhile, and
+    # k1 would have judged k0 lost.
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results = CONTEXT.Queue()
+    done1, done2 = CONTEXT.Event(), CONTEXT.Event()
+    targets: Targets = [
+        (survivor_whose_callback_blocks, ("k0", 0, 3, init_method, results)),
+        (serve_until_liveness, ("k1", 1, 3, init_method, done1, 1.0)),
+        (serve_until_liveness, ("k2", 2, 3, init_method, done2, 1.0)),
+    ]
+    with spawned(targets, timeout=60) as workers:
+        assert _get(results, workers) == ("calling",)
+        stopped = workers[2].pid
+        assert stopped is not None
+        os.kill(stopped, signal.SIGSTOP)
+        report = _get(results, workers)
+        done1.set()
+        workers[2].kill()
+    assert report == ("report", "k1")
 
 
 def test_survivors_of_a_killed_rank_0_shut_down_in_bounded_time_and_say_why() -> None:

@@ -192,6 +192,38 @@ def serve_until(name: str, rank: int, world_size: int, init_method: str, done: A
     shutdown(graceful=False)
 
 
+def serve_until_liveness(
+    name: str, rank: int, world_size: int, init_method: str, done: Any, liveness_timeout: float
+) -> None:
+    """:func:`serve_until` with a liveness timeout of its own."""
+    init_rpc(name, backend(), rank, world_size, options(init_method, liveness_timeout=liveness_timeout))
+    done.wait(60)
+    shutdown(graceful=False)
+
+
+def survivor_whose_callback_blocks(
+    name: str, rank: int, world_size: int, init_method: str, results: Any
+) -> None:
+    """Calls k2, which the test then stops: the liveness watch fails the call, whose callback
+    blocks for three liveness timeouts. Then calls k1, and reports what came back."""
+    init_rpc(name, backend(), rank, world_size, options(init_method, liveness_timeout=1.0))
+    done = threading.Event()
+
+    def block(_: Future[int]) -> None:
+        time.sleep(3.0)
+        done.set()
+
+    rpc_async("k2", sleep_then, args=(60.0, 1)).add_done_callback(block)
+    results.put(("calling",))
+    done.wait(30)
+    try:
+        outcome = rpc_sync("k1", whoami, timeout=10)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        outcome = f"{type(exc).__name__}: {exc}"
+    results.put(("report", outcome))
+    shutdown(graceful=False)
+
+
 def join_holding_the_membership_token_forever(name: str, rank: int, init_method: str, holding: Any) -> None:
     """Join the dynamic group and stop right after taking its membership token (``holding`` is set
     then), as a worker killed while joining would leave it."""

@@ -747,7 +747,9 @@ class TensorPipeAgent:
         timeout = self._options.liveness_timeout
         why = f"it sent nothing for {waited:.1f} s (liveness_timeout={timeout:g})"
         reason = self._judge(conn.peer, why)
-        self._live_peers().drop(conn, reason or why)
+        # On a thread of its own: failing the peer's calls runs their futures' callbacks, and
+        # one that blocks must not stop this thread's keepalives to every other peer.
+        self._spawn(self._live_peers().drop, f"drop-{conn.peer.name}", conn, reason or why)
 
     def _remove_lost(self, record: WorkerRecord) -> None:
         """Take the lost worker of ``record`` out of the dynamic group in the store."""
