@@ -299,6 +299,12 @@ class Reducer:
             return self._world_size
         return max(1, round(sum(meta[1 : 1 + self._world_size])))
 
+    def _divides_first(self, bucket: Bucket) -> bool:
+        """Whether the built-in reduction of ``bucket`` divides by the world size before it
+        sums (as torch's does): float16, whose sum over the ranks would overflow where the
+        average does not, and gradient views, where it costs the same pass as after."""
+        return bucket.as_view or bucket.buffer.dtype == torch.float16
+
     def _rides(self, bucket: Bucket) -> bool:
         return bucket.meta_len > 0 and self.carries
 
@@ -318,8 +324,12 @@ class Reducer:
             bucket.reduced = bucket.buffer if rides else bucket.grads
             if bucket.backup is not None:
                 bucket.backup.copy_(bucket.buffer)  # gradient views: .grad is this buffer
+            if self._divides_first(bucket):
+                bucket.grads.div_(self._world_size)
             bucket.work = self._all_reduce(bucket.reduced)
             return
+        if bucket.backup is not None:
+            bucket.backup.copy_(bucket.buffer)  # the hook may reduce in place
         if self._meta_future is not None and not self.divide_by_initial_world_size:
             divisor = self._divisor(self._meta_future.wait().tolist())
         else:
@@ -385,12 +395,14 @@ class Reducer:
         for bucket in self._buckets:
             result = first_result if bucket is first else bucket.result()
             builtin = bucket.work is not None  # reduced in place, into this bucket's buffer
-            scale = divisor if builtin else 1  # hooks divide themselves
+            scale: float = 1  # hooks divide themselves
+            if builtin:
+                scale = divisor / self._world_size if self._divides_first(bucket) else divisor
             grads = bucket.grads if builtin else result
             if bucket.as_view:
                 if grads.data_ptr() != bucket.grads.data_ptr():
                     bucket.grads.copy_(grads)
-                if scale != 1:
+                if scale != 1 and not self._handoff:  # a handed-over buffer was divided by its sender
                     bucket.grads.div_(scale)
             elif (
                 builtin
@@ -430,6 +442,8 @@ class Reducer:
                     reduced = grads[offset : offset + param.numel()].view_as(param)
                 if param.grad is None or param.grad.layout != torch.strided:
                     param.grad = (reduced / scale).to(param.dtype)  # cast back from a reduce_dtype
+                elif scale == 1:
+                    param.grad.copy_(reduced)
                 else:
                     torch.div(reduced, scale, out=param.grad)
         self._note_buffer_source(meta)
@@ -451,7 +465,7 @@ class Reducer:
         self._handoff = False
 
     def _write_captured(
-        self, index: int, bucket: Bucket, position: int, grads: torch.Tensor, scale: int, builtin: bool
+        self, index: int, bucket: Bucket, position: int, grads: torch.Tensor, scale: float, builtin: bool
     ) -> None:
         """Put parameter ``index``'s average into the gradient its distributed
         autograd context keeps (``.grad`` is left alone, as torch's)."""
@@ -606,6 +620,8 @@ class Reducer:
                 bucket.buffer.copy_(bucket.backup)
             else:
                 self._refill(bucket)
+            if self._divides_first(bucket):
+                bucket.grads.div_(self._world_size)
             if self._rides(bucket):
                 meta = self._signal_meta(self._launched_training, bucket.buffer.dtype)
                 bucket.meta.copy_(meta)
