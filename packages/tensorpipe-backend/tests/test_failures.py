@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +20,8 @@ from tpb_workers import (
     serve,
     serve_late,
     serve_until,
+    serve_until_liveness,
+    shut_down_beside_a_stopped_peer,
     spawned,
 )
 
@@ -68,6 +72,34 @@ def test_non_graceful_shutdown_is_local_and_fast() -> None:
     start = time.monotonic()
     shutdown(graceful=False)
     assert time.monotonic() - start < 2.0
+
+
+def test_a_shutdown_beside_a_stopped_peer_that_reads_nothing_ends_in_bounded_time() -> None:
+    # No liveness watch to cut the connection: the goodbye to s1 waited for its full socket (or
+    # for the send lock of the call stuck on it) without limit.
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results, stopped, never = CONTEXT.Queue(), CONTEXT.Event(), CONTEXT.Event()
+    targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+        (shut_down_beside_a_stopped_peer, (init_method, results, stopped)),
+        (serve_until_liveness, ("s1", 1, 2, init_method, never, 0.0)),
+    ]
+    with spawned(targets, timeout=20) as workers:
+        try:
+            assert results.get(timeout=40) == "ready"
+            peer = workers[1].pid
+            assert peer is not None
+            os.kill(peer, signal.SIGSTOP)
+            stopped.set()
+            outcome, seconds, warnings = results.get(timeout=40)
+        finally:
+            workers[1].kill()
+    assert (
+        outcome == "no error" and seconds < 5.0 + 3.0
+    )  # the goodbyes' 5 s, then the close, (outcome, seconds)
+    assert any("s1 read nothing for 5 s; this worker leaves without telling them" in w for w in warnings), (
+        warnings
+    )
+    assert workers[0].exitcode == 0
 
 
 def test_init_rpc_names_the_missing_worker_within_its_rendezvous_timeout_plus_a_second() -> None:

@@ -192,6 +192,25 @@ def serve_until(name: str, rank: int, world_size: int, init_method: str, done: A
     shutdown(graceful=False)
 
 
+def shut_down_beside_a_stopped_peer(init_method: str, results: Any, stopped: Any) -> None:
+    """s0, without liveness watch: once s1 is ``stopped`` (SIGSTOP), fill the connection to it
+    from a thread (echo calls of 8 MiB that s1 never reads), then ``shutdown(graceful=False)``;
+    report ``(outcome, seconds, warnings)``."""
+    warnings = _agent_warnings()
+    init_rpc("s0", backend(), 0, 2, options(init_method, liveness_timeout=0))
+    rpc_sync("s1", whoami)
+    results.put("ready")
+    stopped.wait(60)
+    blob = bytes(8 << 20)
+    filler = threading.Thread(
+        target=lambda: [rpc_async("s1", echo, args=(blob,), timeout=0) for _ in range(8)], daemon=True
+    )
+    filler.start()
+    filler.join(3)  # blocked on the full connection by now
+    outcome, seconds = _timed_error(lambda: shutdown(graceful=False))
+    results.put((outcome, seconds, warnings))
+
+
 def serve_until_liveness(
     name: str, rank: int, world_size: int, init_method: str, done: Any, liveness_timeout: float
 ) -> None:

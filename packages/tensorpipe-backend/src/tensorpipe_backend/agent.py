@@ -97,6 +97,10 @@ __all__ = ["ADDR_ENV", "TensorPipeAgent", "get_current_agent", "prepare_tensor"]
 _current: weakref.ref[TensorPipeAgent] | None = None
 # How long a shutdown whose rank 0 failed a round waits for the verdict that rank 0 is gone.
 _VERDICT_WAIT: Final = 2.0
+#: Seconds a shutdown waits for its goodbyes to go out; a peer that reads nothing (stopped,
+#: its socket full) is not waited for longer: the close that follows cuts its connection.
+_GOODBYE_WAIT: Final = 5.0
+_THREADS_WAIT: Final = 5.0
 # torch's wording, which callers may match; the fix follows it.
 _MIXED_GROUP: Final = (
     "RPC group mixes statically and dynamically initialized members which is not supported. "
@@ -844,11 +848,26 @@ class TensorPipeAgent:
             if self._said_goodbye or self._closed:
                 return
             self._said_goodbye = True
+        # Each goodbye on a thread of its own: one to a peer that reads nothing waits for its
+        # socket (or for the send lock of a call stuck on it) until the connection closes.
+        senders = []
         for conn in self._connections():
-            try:
-                conn.write(Kind.GOODBYE, 0, reason.encode(), [])
-            except (OSError, FrameError):
-                logger.debug("could not say goodbye to %s", conn.peer.name)
+            sender = threading.Thread(
+                target=_say_goodbye, args=(conn, reason), name=f"tpb-{self._me.name}-goodbye", daemon=True
+            )
+            sender.start()
+            senders.append((conn.peer.name, sender))
+        deadline = time.monotonic() + _GOODBYE_WAIT
+        for _, sender in senders:
+            sender.join(max(deadline - time.monotonic(), 0.0))
+        untold = sorted(name for name, sender in senders if sender.is_alive())
+        if untold:
+            logger.warning(
+                "%s: %s read nothing for %.0f s; this worker leaves without telling them",
+                self._me.name,
+                ", ".join(untold),
+                _GOODBYE_WAIT,
+            )
 
     def _forget_secret_files(self) -> None:
         for path in self._secret_files:
@@ -878,11 +897,21 @@ class TensorPipeAgent:
         if self._rounds is not None:
             self._rounds.close(f"this worker ({self._me.name}) shut down")
         self._pool.shutdown(wait=False, cancel_futures=True)
-        current = threading.current_thread()
-        for thread in list(self._threads):
-            if thread is not current:
-                thread.join(timeout=5)
-                if thread.is_alive():
-                    logger.warning("thread %s did not stop within 5 s after shutdown", thread.name)
+        threads = [thread for thread in self._threads if thread is not threading.current_thread()]
+        deadline = time.monotonic() + _THREADS_WAIT  # for them all: stuck ones are not waited for in turn
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        stuck = [thread.name for thread in threads if thread.is_alive()]
+        if stuck:
+            logger.warning(
+                "threads %s did not stop within %.0f s after shutdown", ", ".join(stuck), _THREADS_WAIT
+            )
         if self._static:
             self._forget_secret_files()  # every worker of the group read it during init_rpc
+
+
+def _say_goodbye(conn: Connection, reason: str) -> None:
+    try:
+        conn.write(Kind.GOODBYE, 0, reason.encode(), [])
+    except (OSError, FrameError):
+        logger.debug("could not say goodbye to %s", conn.peer.name)
