@@ -121,6 +121,41 @@ def test_throw_on_early_termination_raises_on_every_rank() -> None:
     assert steps == [BASE, BASE, BASE]
 
 
+def _train_throw_then_go_on(rank: int, world_size: int, clip: bool) -> dict[str, torch.Tensor]:
+    """_train_throw (with a gradient clip in each step if ``clip``), then collectives after the
+    Join: every rank left it between the same two collectives."""
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    joinable = FSDPJoinable(model, optimizer)
+    with pytest.raises(RuntimeError, match="exhausted"), Join([joinable], throw_on_early_termination=True):
+        for step in range(counts(world_size)[rank]):
+            optimizer.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            if clip:
+                joinable.clip_grad_norm_(0.2)
+            optimizer.step()
+    ones = torch.ones(3)
+    dist.all_reduce(ones)
+    assert ones.tolist() == [world_size] * 3
+    return _full_state(model)
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped"])
+def test_throw_on_early_termination_leaves_every_shard_at_the_last_complete_step(clip: bool) -> None:
+    # Every rank raises before the iteration in which the first rank joined: a joined rank
+    # replays none of it (no optimizer step of its shard, no clip's all-reduce of its own).
+    world_size = 3
+    states = run_ranks(_train_throw_then_go_on, world_size, clip, timeout=120)
+    plain = make_model()
+    plain.load_state_dict(states[0])
+    if not clip:
+        expected = reference([BASE] * world_size, lambda ps: torch.optim.SGD(ps, lr=0.1))
+        torch.testing.assert_close(flat_params(plain), expected, rtol=1e-5, atol=1e-6)
+    for state in states[1:]:
+        for key in state:
+            assert torch.equal(state[key], states[0][key]), key
+
+
 def _train_disabled(rank: int, world_size: int, enable: bool) -> tuple[torch.Tensor, int, int]:
     model = _sharded_model(torch.device("cpu"), nested=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -181,6 +216,36 @@ def test_rank_without_any_batch_replays_a_peers_input() -> None:
     torch.testing.assert_close(flat_params(plain), expected, rtol=1e-5, atol=1e-6)
     for key in states[0]:
         assert torch.equal(states[0][key], states[1][key]), key
+
+
+def _clipped_beside_a_rank_without_batches(rank: int, world_size: int) -> str:
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    joinable = FSDPJoinable(model, optimizer)
+    try:
+        with Join([joinable]):
+            for step in range(rank):  # rank 0 has no batch
+                optimizer.zero_grad()
+                loss_fn(model, *batch(rank, step)).backward()
+                joinable.clip_grad_norm_(0.2)
+                optimizer.step()
+    except (ValueError, JoinAbortedError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_rank_without_any_batch_that_cannot_repeat_its_peers_clips_fails_every_rank_naming_why() -> None:
+    # Rank 0 repeats the clips of its peers' iteration before the first: none. The others'
+    # clip would have waited for an all-reduce rank 0 never issues.
+    outcomes = run_ranks(_clipped_beside_a_rank_without_batches, 3, timeout=120)
+    for outcome in outcomes[1:]:
+        assert outcome.startswith(
+            "ValueError: FSDPJoinable: a rank without any batch in this Join repeats the "
+            "gradient clips of the iteration before this one (none); this iteration's differ "
+            "(clip_grad_norm_(0.2, 2.0))"
+        ), outcome
+        assert "give every rank at least one batch" in outcome
+    assert outcomes[0].startswith("JoinAbortedError"), outcomes[0]
 
 
 def test_rejects_a_module_not_sharded() -> None:

@@ -70,8 +70,11 @@ class FSDPJoinable:
     before every backward (no gradient accumulation across iterations), a
     model that accepts a batch of size 0 along dimension 0 of every input
     tensor. A rank with no batch at all in a Join replays the empty slice of
-    a peer's input, exchanged once, pickled, between the ranks of the process
-    group (a second slot of the heartbeat says when one is needed).
+    a peer's input, exchanged once, described in JSON, between the ranks of
+    the process group (a second slot of the heartbeat says when one is
+    needed), and repeats that peer's gradient clips of the iteration before
+    (the ranks training raise ``ValueError`` in an iteration that clips
+    otherwise).
 
     Args:
         module: a model already passed through ``fully_shard`` (its
@@ -139,6 +142,9 @@ class FSDPJoinable:
         # The gradient clips of this rank's iteration, in order, which a joined rank
         # repeats between its replayed backward and optimizer step: (kind, value, norm type).
         self._clips: list[tuple[str, float, float]] = []
+        # In an iteration in which a rank without any batch took a peer's input: the clips
+        # that rank repeats (those of the peer's iteration before), which this one must make.
+        self._promised_clips: list[tuple[str, float, float]] | None = None
         self._owned = OwnedCollectives("FSDPJoinable", self._group)
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
@@ -188,15 +194,17 @@ class FSDPJoinable:
         self._in_backward = False  # a backward that failed left no end callback
         self._hand_over()
         self._last_input = (_empty_slice(args), _empty_slice(kwargs), torch.is_grad_enabled())
-        self._clips = []
+        previous_clips, self._clips = self._clips, []
+        self._promised_clips = None
         Join.notify_join_context(self)  # an iteration starts (carried: no collective of Join's)
         self._owned.begin()
         try:
             total, needs_input = self._beat(Join.heartbeat_signal(self), needs_input=False)
             if total < 0:
                 Join.heartbeat_result(self, total)  # raises JoinAbortedError before FSDP's collectives
+            Join.check_early_termination(self, total)  # so does throw_on_early_termination
             if needs_input:
-                self._share_input()
+                self._promised_clips = self._share_input(previous_clips)
         except BaseException:
             self._owned.end()
             raise
@@ -240,6 +248,7 @@ class FSDPJoinable:
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._replaying:
+            self._keep_clip_promise(None)
             self._hand_over()
 
     def _hand_over(self) -> None:
@@ -285,6 +294,7 @@ class FSDPJoinable:
                 "(2.0 for the Euclidean norm, float('inf') for the largest absolute value)"
             )
         if not self._replaying:
+            self._keep_clip_promise(("norm", float(max_norm), float(norm_type)))
             self._clips.append(("norm", float(max_norm), float(norm_type)))
         with self._owned:
             return self._clip("norm", float(max_norm), float(norm_type))
@@ -303,8 +313,40 @@ class FSDPJoinable:
                 f"FSDPJoinable.clip_grad_value_(clip_value={clip_value}): give a value of at least 0"
             )
         if not self._replaying:
+            self._keep_clip_promise(("value", float(clip_value), 0.0))
             self._clips.append(("value", float(clip_value), 0.0))
         self._clip("value", float(clip_value), 0.0)
+
+    def _keep_clip_promise(self, clip: tuple[str, float, float] | None) -> None:
+        """Check the next clip of this iteration (``None``: the optimizer step) against those a
+        rank without any batch repeats in it; on a difference, issue the collectives it still
+        waits in, then raise: every rank then leaves between the same two collectives."""
+        promised = self._promised_clips
+        if promised is None:
+            return
+        done = len(self._clips)
+        expected = promised[done] if done < len(promised) else None
+        if clip == expected:
+            if clip is None:
+                self._promised_clips = None
+            return
+        self._promised_clips = None
+        with self._owned, torch.no_grad():
+            for kind, _, norm_type in promised[done:]:
+                if kind == "norm":
+                    inf = norm_type == float("inf")
+                    nothing = torch.zeros((), dtype=torch.float32, device=self._device)
+                    dist.all_reduce(
+                        nothing, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self._group
+                    )
+        made = _clip_text([*self._clips, clip] if clip else self._clips)
+        raise ValueError(
+            f"FSDPJoinable: a rank without any batch in this Join repeats the gradient clips of the "
+            f"iteration before this one ({_clip_text(promised)}); this iteration's differ ({made}"
+            f"{', then the optimizer step' if clip is None else ''}). Clip the same way in every iteration "
+            "(a Join's first iteration repeats the clips of the iteration before it), or give every rank at "
+            "least one batch"
+        )
 
     def _clip(self, kind: str, value: float, norm_type: float) -> torch.Tensor:
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
@@ -346,14 +388,21 @@ class FSDPJoinable:
         total, needing = beat.tolist()
         return total, needing > 0
 
-    def _share_input(self) -> None:
+    def _share_input(self, clips: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
         """Give the last input's empty slices to the ranks that have none (a
-        rank that had no batch at all in this Join)."""
-        mine = b"" if self._last_input is None else json.dumps(_describe(self._last_input)).encode()
+        rank that had no batch at all in this Join), with ``clips``, the gradient
+        clips of the iteration before; the clips those ranks repeat (the first
+        training rank's)."""
+        mine = b""
+        if self._last_input is not None:
+            mine = json.dumps({"input": _describe(self._last_input), "clips": clips}).encode()
         described = all_gather_bytes(mine, self._device, self._group, _MAX_DESCRIPTION)
+        shared = _parse_description(next(d for d in described if d))
+        if not isinstance(shared, dict) or "input" not in shared:
+            raise _malformed("input", f"not a description: {str(shared)[:80]!r}")
+        repeated = _parse_clips(shared.get("clips"))
         if self._last_input is None:
-            text = next(d for d in described if d)
-            rebuilt = _rebuild(_parse_description(text), self._device)
+            rebuilt = _rebuild(shared["input"], self._device)
             if not (
                 isinstance(rebuilt, tuple)
                 and len(rebuilt) == 3
@@ -364,6 +413,7 @@ class FSDPJoinable:
                 raise _malformed("input", "not (positional arguments, keyword arguments, grad enabled)")
             args, kwargs, with_grad = rebuilt
             self._last_input = (tuple(args), dict(kwargs), bool(with_grad))
+        return repeated
 
     def _set_divisor(self, total: float) -> None:
         divisor = float(self._world_size) if self._divide_by_initial_world_size else total
@@ -428,8 +478,12 @@ class _FSDPJoinHook(JoinHook):
                 return
             if signal < 0:
                 return  # a failing rank: Join agrees on the abort next
+            Join.check_early_termination(joinable, total)  # before the iteration, as the others
             if needs_input:
-                joinable._share_input()
+                had_input = joinable._last_input is not None
+                repeated = joinable._share_input(joinable._clips)
+                if not had_input:
+                    joinable._clips = repeated
             joinable._set_divisor(total)
             joinable._replay()
 
@@ -474,7 +528,34 @@ def _describe(value: Any) -> Any:
 
 #: How deeply a peer's input description may nest (an input is a few containers deep).
 _MAX_DEPTH: Final = 32
+_MAX_CLIPS: Final = 64
 _PLAIN: Final = (type(None), bool, int, float, str)
+
+
+def _clip_text(clips: list[tuple[str, float, float]]) -> str:
+    if not clips:
+        return "none"
+    return ", ".join(
+        f"clip_grad_value_({value})" if kind == "value" else f"clip_grad_norm_({value}, {norm})"
+        for kind, value, norm in clips
+    )
+
+
+def _parse_clips(described: Any) -> list[tuple[str, float, float]]:
+    """The gradient clips of a peer's input description, each field checked."""
+    if not isinstance(described, list) or len(described) > _MAX_CLIPS:
+        raise _malformed("clips", f"not a list of at most {_MAX_CLIPS} clips: {str(described)[:80]}")
+    clips = []
+    for index, clip in enumerate(described):
+        if not (
+            isinstance(clip, list)
+            and len(clip) == 3
+            and clip[0] in ("norm", "value")
+            and all(isinstance(n, (int, float)) and not isinstance(n, bool) for n in clip[1:])
+        ):
+            raise _malformed(f"clips[{index}]", f"not [kind, value, norm type]: {str(clip)[:80]}")
+        clips.append((str(clip[0]), float(clip[1]), float(clip[2])))
+    return clips
 
 
 def _malformed(where: str, what: str) -> ValueError:

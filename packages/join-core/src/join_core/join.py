@@ -605,10 +605,16 @@ class Join:
             return total != 0
         if total < 0:
             self._agree_on_abort(None)
-        if self._throw_on_early_termination and total < self._world_size:
-            self._done = True
-            raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
+        self._throw_if_a_rank_joined(total)
         return True
+
+    def _throw_if_a_rank_joined(self, total: float) -> None:
+        if not (self._throw_on_early_termination and 0 <= total < self._world_size):
+            return
+        self._done = True
+        if self._state is _State.TRAINING:
+            raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
+        raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
 
     @staticmethod
     def notify_join_context(joinable: Joinable) -> dist.Work | None:
@@ -637,6 +643,26 @@ class Join:
         _wait(work, None, "the heartbeat all-reduce of the other ranks")
         join._on_total(float(beat.item()))
         return work
+
+    @staticmethod
+    def check_early_termination(joinable: Joinable, total: float) -> None:
+        """With ``throw_on_early_termination``, raise the error every rank raises
+        once the heartbeat's ``total`` shows that a rank joined; otherwise nothing.
+
+        For a joinable that carries the heartbeat before its iteration's
+        collectives (see :attr:`JoinHook.carries_heartbeat`): called right
+        after that heartbeat on every rank (a joined one too, before it
+        shadows anything), it has them all raise before those collectives.
+        :meth:`heartbeat_result` raises the same on a training rank, later.
+
+        Raises:
+            RuntimeError: torch's early-termination errors: "Detected at least
+                one rank that exhausted inputs" on a training rank, "Rank r
+                exhausted all inputs" on a joined one.
+        """
+        found = _lookup(joinable)
+        if found is not None and found[0]._state is not _State.ABORTING:
+            found[0]._throw_if_a_rank_joined(total)
 
     @staticmethod
     def is_active(joinable: Joinable) -> bool:
