@@ -4,9 +4,26 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Final
 
 import torch
 import torch.distributed as dist
+
+_FAILED: Final = -1  # announced instead of a length by a rank that has no data to send
+_MAX_REASON: Final = 4096  # bytes of a failed rank's reason that are sent
+
+
+class PeerFailedError(Exception):
+    """Ranks of the group announced, instead of their data, why they have none;
+    raised on every rank alike.
+
+    Attributes:
+        reasons: each failed rank's reason, by group rank.
+    """
+
+    def __init__(self, reasons: dict[int, str]) -> None:
+        super().__init__("; ".join(f"rank {rank}: {reason}" for rank, reason in reasons.items()))
+        self.reasons = reasons
 
 
 def resolve_group(process_group: dist.ProcessGroup | None, who: str) -> dist.ProcessGroup:
@@ -30,19 +47,19 @@ def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
 
 
 def gather_bytes(
-    data: bytes, dst: int, group: dist.ProcessGroup, limits: Sequence[int] | None = None
+    data: bytes | BaseException, dst: int, group: dist.ProcessGroup, limits: Sequence[int] | None = None
 ) -> list[bytes] | None:
     """Every rank's ``data`` gathered on group rank ``dst`` (a list in rank
     order there, None elsewhere). The bytes stay bytes: nothing is unpickled.
     With ``limits`` (bytes, by group rank), every rank raises ``ValueError``
     alike when one rank's data is longer than its limit, before anything that
-    size is allocated."""
+    size is allocated. A rank that could not make its data passes the error
+    instead: every rank raises :class:`PeerFailedError` alike."""
     # NCCL moves only CUDA tensors; gloo and others take CPU ones.
     nccl = dist.get_backend(group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
+    sizes = _announce(data, device, group)
+    assert not isinstance(data, BaseException)  # _announce raised
     if limits is not None:
         over = [
             (r, int(n), limit) for r, (n, limit) in enumerate(zip(sizes, limits)) if not 0 <= int(n) <= limit
@@ -66,13 +83,16 @@ def gather_bytes(
     return [ctypes.string_at(b.data_ptr(), int(s)) for b, s in zip(received, sizes)]
 
 
-def all_gather_bytes(data: bytes, device: torch.device, group: dist.ProcessGroup, limit: int) -> list[bytes]:
+def all_gather_bytes(
+    data: bytes | BaseException, device: torch.device, group: dist.ProcessGroup, limit: int
+) -> list[bytes]:
     """Every rank's ``data``, in rank order, on every rank (no pickle: the
     bytes stay bytes). Every rank raises ``ValueError`` alike when one rank's
-    data is longer than ``limit``, before anything that size is allocated."""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
+    data is longer than ``limit``, before anything that size is allocated. A
+    rank that could not make its data passes the error instead: every rank
+    raises :class:`PeerFailedError` alike."""
+    sizes = _announce(data, device, group)
+    assert not isinstance(data, BaseException)  # _announce raised
     lengths = [int(s) for s in sizes]
     if max(lengths) > limit or min(lengths) < 0:
         raise ValueError(f"ranks sent {lengths} bytes; at most {limit} are accepted")
@@ -82,3 +102,21 @@ def all_gather_bytes(data: bytes, device: torch.device, group: dist.ProcessGroup
     buffers = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in lengths]
     dist.all_gather(buffers, padded.to(device), group=group)
     return [bytes(b.cpu()[:n].tolist()) for b, n in zip(buffers, lengths)]
+
+
+def _announce(
+    data: bytes | BaseException, device: torch.device, group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """Every rank's length of ``data``, all-gathered; when a rank passed an
+    error, its reason is all-gathered too and every rank raises
+    :class:`PeerFailedError` (the others would wait for its data)."""
+    length = _FAILED if isinstance(data, BaseException) else len(data)
+    size = torch.tensor([length], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    failures = [rank for rank, n in enumerate(sizes) if int(n) == _FAILED]
+    if not failures:
+        return sizes
+    reason = str(data).encode()[:_MAX_REASON] if length == _FAILED else b""
+    reasons = all_gather_bytes(reason, device, group, _MAX_REASON)
+    raise PeerFailedError({rank: reasons[rank].decode(errors="replace") for rank in failures})

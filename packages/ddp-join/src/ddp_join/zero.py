@@ -9,7 +9,7 @@ from typing import Any, Final, overload
 import torch
 import torch.distributed as dist
 
-from ddp_join._groups import all_gather_bytes, gather_bytes, global_rank, resolve_group
+from ddp_join._groups import PeerFailedError, all_gather_bytes, gather_bytes, global_rank, resolve_group
 from ddp_join.optimizer_state import decode_state, encode_state, state_limit
 from join_core import Join, JoinHook, RankLostError, Recovery, install_exit_grace, record_collectives
 
@@ -55,6 +55,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             and no communication per step. 0 (the default): no replica.
         defaults: keyword arguments of ``optimizer_class`` (``lr=...``).
 
+    Attributes:
+        optim: the local optimizer, over this rank's shard.
+        rank: this rank in ``process_group``.
+        global_rank: this rank in the default process group.
+        world_size: the size of ``process_group``.
+        initialized: True once construction is done (``add_param_group`` then
+            shards the group it adds), as torch's.
+
     Example::
 
         model = ddp_join.DistributedDataParallel(net)
@@ -92,12 +100,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.process_group = group = resolve_group(process_group, "ZeroRedundancyOptimizer")
         record_collectives()  # numbered from here on every rank: hang reports and desyncs name them
         self.rank: int = dist.get_rank(group)
+        self.global_rank: int = global_rank(group, self.rank)
         self.world_size: int = dist.get_world_size(group)
         self.optimizer_class = optimizer_class
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._owner: dict[int, int] = {}  # id(param) -> rank that steps it
         self._load = [0] * self.world_size  # elements owned per rank
-        self._initialized = False
+        self.initialized = False
         self._consolidated: list[dict[int, Any]] | None = None
         self._stepped = 0  # heartbeats of the current Join when step() last finished
         # Going on without a lost rank (Join(on_rank_lost="continue")).
@@ -115,10 +124,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.optim: torch.optim.Optimizer = self._optimizer_of(self.rank)
         for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
             _fill_defaults(global_group, local_group)
-        self._replica: torch.optim.Optimizer | None = (
-            self._optimizer_of(self._predecessor()) if shard_replicas else None
+        self._replica: torch.optim.Optimizer | None = (  # alone, a rank's replica would be its own shard
+            self._optimizer_of(self._predecessor()) if shard_replicas and self.world_size > 1 else None
         )
-        self._initialized = True
+        self.initialized = True
         self._make_bucket_views()
 
     # Sharding.
@@ -164,9 +173,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self._buckets.append((rank, flat))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group; its parameters are sharded like the others."""
+        """Add a parameter group; its parameters are sharded like the others.
+
+        Raises:
+            RuntimeError: with ``overlap_with_ddp=True``, as torch's: the
+                hook steps DDP's buckets, which hold none of the added parameters.
+        """
+        if self.initialized and self.overlap_with_ddp:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer with `overlap_with_ddp=True` only supports a single parameter group: "
+                "add_param_group() would add parameters that hook_with_zero_step never steps; give every "
+                "parameter group to the constructor, or build with overlap_with_ddp=False"
+            )
         super().add_param_group(param_group)
-        if not self._initialized:
+        if not self.initialized:
             return
         added = self.param_groups[-1]
         self._assign(added["params"])
@@ -223,6 +243,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         loss = self.optim.step(closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
         if self._replica is not None:
             self._replica.step(**kwargs)  # the same update its owner makes, on the same values
+        for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
+            for key, value in local_group.items():
+                if key != "params":
+                    global_group[key] = value  # values the optimizer keeps in its groups (Prodigy's d and k)
         return loss
 
     def _step_bucket(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
@@ -385,9 +409,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         each keeps the one of the rank before it."""
         index = self._global_index()
         owned = _params_of(self.optim)
-        mine = encode_state({index[id(p)]: dict(self.optim.state[p]) for p in owned if p in self.optim.state})
+        mine: bytes | TypeError
+        try:
+            mine = encode_state(
+                {index[id(p)]: dict(self.optim.state[p]) for p in owned if p in self.optim.state}
+            )
+        except TypeError as exc:
+            mine = exc  # announced to the others, who would wait for this rank's state
         limit = max(state_limit(self._owned_by(rank)) for rank in range(self.world_size))
-        shards = all_gather_bytes(mine, self.join_device, self.process_group, limit)
+        try:
+            shards = all_gather_bytes(mine, self.join_device, self.process_group, limit)
+        except PeerFailedError as exc:
+            raise TypeError(
+                f"ZeroRedundancyOptimizer: cannot replicate the optimizer state of {exc}"
+            ) from None
         assert self._replica is not None
         by_index = {i: p for p, i in ((p, index[id(p)]) for p in _params_of(self._replica))}
         for position, state in decode_state(shards[self._predecessor()]).items():
@@ -416,13 +451,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         index = self._global_index()
         local = self.optim.state_dict()
         local_params = [p for g in self.optim.param_groups for p in g["params"]]
-        mine = encode_state({index[id(local_params[i])]: state for i, state in local["state"].items()})
+        mine: bytes | TypeError
+        try:
+            mine = encode_state({index[id(local_params[i])]: state for i, state in local["state"].items()})
+        except TypeError as exc:
+            mine = exc  # announced to the others, who would wait for this rank's state
         limits = [state_limit(self._owned_by(r)) for r in range(self.world_size)]
         try:
             gathered = gather_bytes(mine, to, self.process_group, limits)
         except ValueError as exc:
             raise ValueError(
                 f"ZeroRedundancyOptimizer.consolidate_state_dict: optimizer state: {exc}"
+            ) from None
+        except PeerFailedError as exc:
+            raise TypeError(
+                f"ZeroRedundancyOptimizer.consolidate_state_dict: cannot send the optimizer state of {exc}"
             ) from None
         self._consolidated = None if gathered is None else [decode_state(shard) for shard in gathered]
 
@@ -446,30 +489,51 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict` (or of ``optimizer_class``
-        over the same parameters); each rank keeps its shard's part."""
+        over the same parameters); each rank keeps its shard's part, and the
+        replica its shard's (``shard_replicas=1``)."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(
                 f"load_state_dict: the state dict has {len(groups)} parameter groups, "
                 f"this optimizer {len(self.param_groups)}"
             )
-        index = self._global_index()
-        local_state: dict[int, Any] = {}
-        local_groups = []
-        position = 0
+        for number, (group, saved) in enumerate(zip(self.param_groups, groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    "load_state_dict: loaded state dict contains a parameter group that doesn't match the size "
+                    f"of optimizer's group: group {number} has {len(saved['params'])} parameters there, "
+                    f"{len(group['params'])} here; load the state dict of an optimizer over the same groups"
+                )
+        saved_index = {
+            id(param): index
+            for group, saved in zip(self.param_groups, groups)
+            for param, index in zip(group["params"], saved["params"])
+        }
         for global_group, saved in zip(self.param_groups, groups):
             for key, value in saved.items():
                 if key != "params":
                     global_group[key] = value
+        self._load_shard(self.optim, self.rank, state_dict["state"], saved_index)
+        if self._replica is not None:
+            self._load_shard(self._replica, self._predecessor(), state_dict["state"], saved_index)
+
+    def _load_shard(
+        self, optimizer: torch.optim.Optimizer, rank: int, state: dict[int, Any], saved_index: dict[int, int]
+    ) -> None:
+        """Load into ``optimizer``, over the shard of ``rank``, that shard's part of ``state``."""
+        local_state: dict[int, Any] = {}
+        local_groups = []
+        position = 0
+        for global_group in self.param_groups:
             ids = []
-            for param in self._local_params(global_group):
-                saved_state = state_dict["state"].get(index[id(param)])
+            for param in self._local_params(global_group, rank):
+                saved_state = state.get(saved_index[id(param)])
                 if saved_state is not None:
                     local_state[position] = saved_state
                 ids.append(position)
                 position += 1
-            local_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+            local_groups.append({**{k: v for k, v in global_group.items() if k != "params"}, "params": ids})
+        optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
 
     # Joinable.
 
