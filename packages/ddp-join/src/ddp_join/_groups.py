@@ -47,17 +47,25 @@ def global_rank(group: dist.ProcessGroup, group_rank: int) -> int:
 
 
 def gather_bytes(
-    data: bytes | BaseException, dst: int, group: dist.ProcessGroup, limits: Sequence[int] | None = None
+    data: bytes | BaseException,
+    dst: int,
+    device: torch.device,
+    group: dist.ProcessGroup,
+    limits: Sequence[int] | None = None,
 ) -> list[bytes] | None:
     """Every rank's ``data`` gathered on group rank ``dst`` (a list in rank
     order there, None elsewhere). The bytes stay bytes: nothing is unpickled.
     With ``limits`` (bytes, by group rank), every rank raises ``ValueError``
     alike when one rank's data is longer than its limit, before anything that
     size is allocated. A rank that could not make its data passes the error
-    instead: every rank raises :class:`PeerFailedError` alike."""
-    # NCCL moves only CUDA tensors; gloo and others take CPU ones.
-    nccl = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    instead: every rank raises :class:`PeerFailedError` alike.
+
+    One rank's data at a time crosses ``device`` (a broadcast each, as torch's
+    ``consolidate_state_dict``), so that no device holds more than the longest;
+    ``dst`` keeps each in host memory. ``device`` is that of the parameters:
+    NCCL moves only CUDA tensors; other backends move host memory here."""
+    if dist.get_backend(group) != "nccl":
+        device = torch.device("cpu")
     sizes = _announce(data, device, group)
     assert not isinstance(data, BaseException)  # _announce raised
     if limits is not None:
@@ -70,17 +78,18 @@ def gather_bytes(
                 f"rank {r} of the group announced {n} bytes, and at most {limit} are accepted from it "
                 "(what its share could take); nothing was gathered"
             )
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    if data:
-        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    is_dst = dist.get_rank(group) == dst
-    buffers = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes] if is_dst else None
-    dist.gather(padded.to(device), buffers, dst=global_rank(group, dst), group=group)
-    if buffers is None:
-        return None
-    received = [b.cpu() for b in buffers]  # alive while read
-    return [ctypes.string_at(b.data_ptr(), int(s)) for b, s in zip(received, sizes)]
+    me = dist.get_rank(group)
+    buffer = torch.empty(max(int(s) for s in sizes), dtype=torch.uint8, device=device)
+    gathered = []
+    for rank, size in enumerate(int(s) for s in sizes):
+        part = buffer[:size]
+        if rank == me and data:
+            part.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        if size:
+            dist.broadcast(part, src=global_rank(group, rank), group=group)
+        if me == dst:
+            gathered.append(_to_bytes(part))
+    return gathered if me == dst else None
 
 
 def all_gather_bytes(
@@ -101,7 +110,13 @@ def all_gather_bytes(
         padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     buffers = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in lengths]
     dist.all_gather(buffers, padded.to(device), group=group)
-    return [bytes(b.cpu()[:n].tolist()) for b, n in zip(buffers, lengths)]
+    return [_to_bytes(b[:n]) for b, n in zip(buffers, lengths)]
+
+
+def _to_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of a one-dimensional uint8 tensor, read from host memory in one copy."""
+    host = tensor.cpu().contiguous()  # alive while read
+    return ctypes.string_at(host.data_ptr(), host.numel())
 
 
 def _announce(

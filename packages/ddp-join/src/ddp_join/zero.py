@@ -458,7 +458,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             mine = exc  # announced to the others, who would wait for this rank's state
         limits = [state_limit(self._owned_by(r)) for r in range(self.world_size)]
         try:
-            gathered = gather_bytes(mine, to, self.process_group, limits)
+            gathered = gather_bytes(mine, to, self.join_device, self.process_group, limits)
         except ValueError as exc:
             raise ValueError(
                 f"ZeroRedundancyOptimizer.consolidate_state_dict: optimizer state: {exc}"
