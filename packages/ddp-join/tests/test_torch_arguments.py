@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import inspect
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -677,3 +679,22 @@ def test_zero_overlapped_with_ddp_steps_during_backward_under_join(compressed: b
     # The parameters had changed when backward returned: step() stepped nothing more.
     assert not torch.equal(first[1], flat_params(make_model()))
     assert torch.equal(second[-1], second[0])
+
+
+def _dropped_wrappers(rank: int, world_size: int) -> tuple[bool, list[float]]:
+    """Wrap a module, drop the wrapper, wrap it again and train once: whether the dropped
+    wrapper was freed, and the gradient the second one averaged."""
+    module = make_model()
+    dropped = weakref.ref(DistributedDataParallel(module))
+    gc.collect()
+    model = DistributedDataParallel(module)
+    loss_fn(model, *batch(rank, 0)).backward()
+    return dropped() is None, [float(p.grad.sum()) for p in module.parameters() if p.grad is not None]
+
+
+def test_a_dropped_wrapper_is_freed_and_leaves_no_hook_on_the_module_as_torchs() -> None:
+    # Its gradient hooks held it (and its buckets, the size of the gradients) for as long as
+    # the module lived: a trainer that wraps a module per fit() gathered one per run.
+    (freed, grads), (_, other) = run_ranks(_dropped_wrappers, 2)
+    assert freed
+    assert grads == other and len(grads) == 4

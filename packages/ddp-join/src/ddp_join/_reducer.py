@@ -14,6 +14,7 @@ on the survivors' group (:meth:`Reducer.recover`).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Final
@@ -89,10 +90,13 @@ class Reducer:
         for bucket in self._buckets:
             for position, param in enumerate(bucket.params):
                 self._where[self._param_index[id(param)]] = (bucket, position)
+        # The hooks reach this reducer through a weak reference, and go with it: a dropped
+        # wrapper is freed, as torch's, instead of living on in its parameters' hooks.
         self._hook_handles = [
             param.register_post_accumulate_grad_hook(self._make_grad_hook(index))
             for index, param in enumerate(self._params)
         ]
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
         # Added once distributed autograd is loaded: a hook per gradient costs every backward.
         self._captures = False
         self.reset_iteration()
@@ -163,58 +167,70 @@ class Reducer:
             bucket.work = None
 
     def _make_grad_hook(self, index: int) -> Any:
+        reducer = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            if not self._open:
-                return
-            self._accumulated += 1
-            self.start_backward()
-            self._mark_unused()
-            if self.static_graph:
-                self._hook_counts[index] += 1
-                # Learning: every bucket is reduced at the end of backward. Later:
-                # a gradient accumulated several times is ready at its last time.
-                if self._static_counts is None or self._hook_counts[index] < self._static_counts[index]:
-                    return
-            else:
-                bucket, position = self._where[index]
-                if bucket.ready[position]:
-                    raise RuntimeError(_ready_twice(index, param))
-            self._grad_ready(index, param.grad)
+            alive = reducer()
+            if alive is not None:
+                alive._grad_accumulated(index, param)
 
         return hook
+
+    def _grad_accumulated(self, index: int, param: torch.Tensor) -> None:
+        if not self._open:
+            return
+        self._accumulated += 1
+        self.start_backward()
+        self._mark_unused()
+        if self.static_graph:
+            self._hook_counts[index] += 1
+            # Learning: every bucket is reduced at the end of backward. Later:
+            # a gradient accumulated several times is ready at its last time.
+            if self._static_counts is None or self._hook_counts[index] < self._static_counts[index]:
+                return
+        else:
+            bucket, position = self._where[index]
+            if bucket.ready[position]:
+                raise RuntimeError(_ready_twice(index, param))
+        self._grad_ready(index, param.grad)
 
     def _make_capture_hook(self, index: int) -> Any:
-        param = self._params[index]
+        reducer = weakref.ref(self)
 
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
-            if not self._open or not distributed_backward_running():
-                return None  # a local backward: the post-accumulate hook takes it
-            self.start_backward()
-            if not self._callback_queued:  # a later pass of the same distributed backward
-                self._callback_queued = True
-                Variable._execution_engine.queue_callback(self._finish_backward)
-            if index in self._captured:
-                raise RuntimeError(
-                    f"DistributedDataParallel: parameter {index} (shape {tuple(param.shape)}) got a "
-                    "second gradient in one distributed backward; a parameter's gradient may reach "
-                    "DDP in one pass only (it is already being reduced)"
-                )
-            # The context keeps this tensor; the average is written into it at the end.
-            dense = torch.empty_like(param, memory_format=torch.preserve_format)
-            if grad.layout == torch.strided:
-                dense.copy_(grad)
-                mine = dense
-            else:
-                # Reduced dense, kept in the layout autograd expects: every row present.
-                dense.copy_(grad.to_dense())
-                rows = torch.arange(param.shape[0], device=param.device).unsqueeze(0)
-                mine = torch.sparse_coo_tensor(rows, dense, param.shape, is_coalesced=True)
-                dense = mine._values()
-            self._captured[index] = dense
-            self._grad_ready(index, dense)
-            return mine
+            alive = reducer()
+            return None if alive is None else alive._capture(index, grad)
 
         return hook
+
+    def _capture(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
+        param = self._params[index]
+        if not self._open or not distributed_backward_running():
+            return None  # a local backward: the post-accumulate hook takes it
+        self.start_backward()
+        if not self._callback_queued:  # a later pass of the same distributed backward
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+        if index in self._captured:
+            raise RuntimeError(
+                f"DistributedDataParallel: parameter {index} (shape {tuple(param.shape)}) got a "
+                "second gradient in one distributed backward; a parameter's gradient may reach "
+                "DDP in one pass only (it is already being reduced)"
+            )
+        # The context keeps this tensor; the average is written into it at the end.
+        dense = torch.empty_like(param, memory_format=torch.preserve_format)
+        if grad.layout == torch.strided:
+            dense.copy_(grad)
+            mine = dense
+        else:
+            # Reduced dense, kept in the layout autograd expects: every row present.
+            dense.copy_(grad.to_dense())
+            rows = torch.arange(param.shape[0], device=param.device).unsqueeze(0)
+            mine = torch.sparse_coo_tensor(rows, dense, param.shape, is_coalesced=True)
+            dense = mine._values()
+        self._captured[index] = dense
+        self._grad_ready(index, dense)
+        return mine
 
     def check_prior_reduction(self) -> None:
         """Raise torch's error when a distributed backward left parameters unreduced."""
@@ -750,3 +766,8 @@ def _ready_twice(index: int, param: torch.Tensor) -> str:
         "several reentrant backward passes (torch.utils.checkpoint(..., use_reentrant=True)); pass "
         "static_graph=True if the graph is the same every iteration, or use use_reentrant=False"
     )
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
