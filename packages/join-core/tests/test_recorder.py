@@ -40,3 +40,33 @@ def test_works_with_their_own_wait_are_seen_complete_and_unwaited_ones_stay_boun
     assert found["pending_after_waits"] == 0
     # Never waited and never completed: forgotten past the capacity (64).
     assert found["pending_unwaited"] <= 2 * 64, found["pending_unwaited"]
+
+
+_DESTROYED_SCRIPT = """
+import gc, json, os, weakref, torch, torch.distributed as dist
+import join_core
+join_core.record_collectives()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+before = len(os.listdir("/proc/self/fd"))
+groups = []
+for _ in range(5):
+    group = dist.new_group([0])
+    dist.all_reduce(torch.ones(1), group=group)
+    groups.append(weakref.ref(group))
+    dist.destroy_process_group(group)
+    del group
+gc.collect()
+print(json.dumps({"alive": sum(g() is not None for g in groups),
+                  "descriptors": len(os.listdir("/proc/self/fd")) - before}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_destroyed_process_group_is_not_kept_alive_with_its_sockets() -> None:
+    # The recorder held every group it had seen: a job that makes a group per phase (or
+    # regroups after a loss) kept each one's connections open.
+    out = subprocess.run(
+        [sys.executable, "-c", _DESTROYED_SCRIPT], capture_output=True, text=True, timeout=100
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"alive": 0, "descriptors": 0}

@@ -749,9 +749,14 @@ def _tcp_sockets() -> list[socket.socket]:
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 continue
-            sock = socket.socket(fileno=os.dup(int(name)))
+            duplicate = os.dup(int(name))
         except (OSError, ValueError):
-            continue  # closed meanwhile, or not a socket after all
+            continue  # closed meanwhile
+        try:
+            sock = socket.socket(fileno=duplicate)
+        except OSError:
+            os.close(duplicate)  # the number went to something else than a socket meanwhile
+            continue
         if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
             found.append(sock)
         else:

@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -174,10 +175,12 @@ class CollectiveRecorder:
         self.enabled: bool = os.environ.get(RECORD_VARIABLE, "1") != "0"
         self._records: deque[CollectiveRecord] = deque(maxlen=capacity)
         self._capacity = capacity
-        self._groups: dict[dist.ProcessGroup, tuple[str, Iterator[int]]] = {}  # -> its name, its numbers
+        # id(group) -> its name, its numbers; while it lives: a destroyed group (its sockets and
+        # threads) is not kept alive here.
+        self._groups: dict[int, tuple[str, Iterator[int]]] = {}
         self._pending: dict[int, tuple[Any, CollectiveRecord]] = {}  # id(work) -> (work, record)
-        # group name -> the fatal verdict, and the group it is on (None: any of that name)
-        self._verdicts: dict[str, tuple[BaseException, dist.ProcessGroup | None]] = {}
+        # group name -> the fatal verdict, and the group it is on, weakly (None: any of that name)
+        self._verdicts: dict[str, tuple[BaseException, weakref.ref[dist.ProcessGroup] | None]] = {}
         # group name -> what may explain a failed wait at once (a watch judging a closed connection)
         self._explainers: dict[str, Callable[[BaseException], None]] = {}
         self._lock = threading.Lock()
@@ -230,8 +233,11 @@ class CollectiveRecorder:
         not concerned.
         """
         known = self._verdicts.get(group)
-        if known is None or (process_group is not None and known[1] is not process_group):
-            self._verdicts[group] = (error, process_group)  # the first, or one on a replaced group
+        if known is None or (
+            process_group is not None and (known[1] is None or known[1]() is not process_group)
+        ):
+            # The first, or one on a replaced group.
+            self._verdicts[group] = (error, None if process_group is None else weakref.ref(process_group))
 
     def verdict(self, group: str) -> BaseException | None:
         """The fatal verdict on ``group``, if a watch reached one."""
@@ -260,14 +266,15 @@ class CollectiveRecorder:
         dtypes_only: bool,
         caller: FrameType,
     ) -> CollectiveRecord:
-        known = self._groups.get(group)
+        known = self._groups.get(id(group))
         if known is None:
             with self._lock:
-                known = self._groups[group] = (group.group_name, itertools.count(1))
+                known = self._groups[id(group)] = (group.group_name, itertools.count(1))
+            weakref.finalize(group, self._groups.pop, id(group), None)
         name = known[0]
         verdict = self._verdicts.get(name)
         if verdict is not None:
-            if verdict[1] is None or verdict[1] is group:
+            if verdict[1] is None or verdict[1]() is group:
                 raise verdict[0]
             self._verdicts.pop(name, None)  # on a group that was replaced by this one
         code, offset, function = _user_frame(caller)
@@ -482,6 +489,7 @@ def _await_verdict(rec: CollectiveRecorder, group: str) -> BaseException | None:
 
 
 _watched_groups: dict[str, int] = {}
+_watched_lock = threading.Lock()
 
 
 def _watched(group: str) -> bool:
@@ -491,7 +499,8 @@ def _watched(group: str) -> bool:
 def watching(group: str, delta: int) -> None:
     """Count a watch of ``group`` starting (+1) or ending (-1); while none
     watches it, a failed collective waits for no verdict."""
-    _watched_groups[group] = _watched_groups.get(group, 0) + delta
+    with _watched_lock:  # a Join's watch ends on its own thread while the next one's starts
+        _watched_groups[group] = _watched_groups.get(group, 0) + delta
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
