@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from typing import Any
 
 import torch
@@ -32,6 +35,29 @@ def chain_here(hops: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if hops:
         out = out + chain_here(hops - 1, out.exp(), y)
     return out.tanh()
+
+
+def doubled_in_place(x: torch.Tensor) -> torch.Tensor:
+    """``x * 2`` computed in place on the tensor this worker received."""
+    return x.mul_(2)
+
+
+class KeepsVariable(torch.autograd.Function):
+    """``x * 2``; its ctx holds a tensor named ``variable``, as a leaf's accumulate-grad node does."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.variable = x.detach()
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+def doubled_keeping_variable(x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = KeepsVariable.apply(x)  # type: ignore[no-untyped-call]
+    return out
 
 
 def use_rref(rref: RRef[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +137,34 @@ def hook_param_node(name: str, scale: float) -> None:
 
 def node_hook_calls(name: str) -> list[NodeHookCall]:
     return _NODE_HOOK_CALLS.get(name, [])
+
+
+def add_node_hooks(name: str, count: int) -> None:
+    """``count`` pre hooks that keep the gradient on the named parameter's accumulate-grad node."""
+    node = _HOOKED_NODES[name] = accumulate_node(_PARAMS[name])
+    for _ in range(count):
+        node.register_prehook(lambda grads: None)
+
+
+def set_switch_interval(seconds: float) -> float:
+    """Set how often this worker's threads take turns; the previous interval."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    return previous
+
+
+def stall_context_releases(seconds: float) -> None:
+    """Keep this worker from releasing any autograd context for ``seconds`` (from a thread of its own)."""
+    held = threading.Event()
+
+    def hold() -> None:
+        with _current().grad._lock:
+            held.set()
+            time.sleep(seconds)
+
+    threading.Thread(target=hold, daemon=True).start()
+    if not held.wait(10):
+        raise TimeoutError("stall_context_releases: the contexts' lock was not taken within 10 s")
 
 
 def context_count() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import pickle
 import socket
@@ -16,9 +17,12 @@ from dist_autograd_cases import (
     NodeHookCall,
     Stage,
     accumulate_node,
+    add_node_hooks,
     chain,
     chain_here,
     context_count,
+    doubled_in_place,
+    doubled_keeping_variable,
     fails_in_backward,
     hook_param_node,
     make_param,
@@ -29,6 +33,8 @@ from dist_autograd_cases import (
     raise_two_argument_error,
     returns_no_future,
     scale_by_param,
+    set_switch_interval,
+    stall_context_releases,
     use_rref,
 )
 from rpcreg_socket_agent import SocketOptions, run_worker, socket_backend
@@ -80,14 +86,18 @@ def cluster() -> Iterator[None]:
     assert [w.exitcode for w in workers] == [0] * (len(WORKERS) - 1)
 
 
+def _wait_for_counts(want: list[int]) -> None:
+    """Wait (10 s at most) until the workers hold ``want`` autograd contexts."""
+    deadline = time.monotonic() + 10
+    while (counts := [rpc_sync(name, context_count) for name in WORKERS]) != want:
+        assert time.monotonic() < deadline, f"autograd contexts held by {WORKERS}: {counts}, not {want}"
+        time.sleep(0.05)
+
+
 @pytest.fixture(autouse=True)
 def contexts_released_everywhere() -> Iterator[None]:
     yield
-    for name in WORKERS:
-        deadline = time.monotonic() + 10
-        while rpc_sync(name, context_count) != 0:
-            assert time.monotonic() < deadline, f"{name} still holds an autograd context"
-            time.sleep(0.05)
+    _wait_for_counts([0] * len(WORKERS))
 
 
 def _leaves(seed: int, n: int = 2) -> list[torch.Tensor]:
@@ -163,6 +173,49 @@ def test_gradients_of_leaves_on_other_workers_stay_there() -> None:
     del make_param_rref
 
 
+def test_concurrent_backward_passes_through_a_hooked_parameter_of_one_worker() -> None:
+    # Four trainer threads on each of w0 and w1, one parameter on w3 with many node hooks.
+    values = [0.5, -1.0, 2.0, 3.0]
+    param_rref = rpc_sync("w3", make_param, args=("shared", values))
+    rpc_sync("w3", add_node_hooks, args=("shared", 1000))
+    previous = rpc_sync("w3", set_switch_interval, args=(1e-6,))
+    try:
+        futures = [
+            rpc_async(trainer, _train_against_shared_param, args=(values, 4, 10)) for trainer in ("w0", "w1")
+        ]
+        assert [fut.wait() for fut in futures] == [[], []]
+    finally:
+        rpc_sync("w3", set_switch_interval, args=(previous,))
+    del param_rref
+
+
+def _train_against_shared_param(values: list[float], threads: int, steps: int) -> list[str]:
+    """Backward passes of ``steps`` contexts in each of ``threads`` threads; the failures."""
+    want = torch.tensor(values, dtype=torch.float64)
+    errors: list[str] = []
+
+    def train(seed: int) -> None:
+        try:
+            for _ in range(steps):
+                (x,) = _leaves(seed, 1)
+                with dist_autograd.context() as context_id:
+                    loss = rpc_sync("w3", scale_by_param, args=("shared", x)).sum()
+                    dist_autograd.backward(context_id, [loss])
+                    (grad,) = dist_autograd.get_gradients(context_id).values()
+                    torch.testing.assert_close(grad, want.expand(3, 4), rtol=0, atol=0)
+                    got = rpc_sync("w3", param_grad, args=("shared", context_id))
+                    torch.testing.assert_close(got, x.detach().sum(0), rtol=1e-12, atol=0)
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            errors.append(repr(exc))
+
+    workers = [threading.Thread(target=train, args=(seed,)) for seed in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    return errors
+
+
 def test_concurrent_contexts_keep_their_gradients_apart() -> None:
     results: dict[int, tuple[list[torch.Tensor], dict[torch.Tensor, torch.Tensor], list[torch.Tensor]]] = {}
     errors: list[BaseException] = []
@@ -210,9 +263,50 @@ def test_context_is_released_on_every_worker_it_reached() -> None:
     with dist_autograd.context() as context_id:
         rpc_sync("w1", chain, args=(["w2", "w3"], x, x))
         assert all(rpc_sync(name, context_count) == 1 for name in WORKERS)
-    assert [rpc_sync(name, context_count) for name in WORKERS] == [0, 0, 0, 0]
     with pytest.raises(RuntimeError, match=f"Could not find autograd context with id: {context_id}"):
         dist_autograd.get_gradients(context_id)
+    _wait_for_counts([0, 0, 0, 0])
+
+
+def test_leaving_a_context_does_not_wait_for_a_worker_slow_to_release_it() -> None:
+    (x,) = _leaves(14, 1)
+    with pytest.raises(ValueError, match="failed in the body"), dist_autograd.context():
+        rpc_sync("w1", chain, args=(["w2"], x, x))  # w2 holds the context through w1
+        rpc_sync("w2", stall_context_releases, args=(3.0,))
+        raised = time.monotonic()
+        raise ValueError("failed in the body")
+    assert time.monotonic() - raised < 1.0
+    _wait_for_counts([0, 0, 0, 0])
+
+
+def test_result_of_a_remote_call_is_a_root_of_backward() -> None:
+    (x,) = _leaves(12, 1)
+    with dist_autograd.context() as context_id:
+        loss = rpc_sync("w1", torch.sum, args=(x,))
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(dist_autograd.get_gradients(context_id), [x], [torch.ones_like(x)])
+
+
+def test_tensors_received_by_rpc_may_be_changed_in_place() -> None:
+    x, y = _leaves(13)
+    want = _local_grads((mul_add(x, y) * 2 + x * 2).pow(2).sum(), [x, y])
+    with dist_autograd.context() as context_id:
+        out = rpc_sync("w2", mul_add, args=(x, y))
+        out.mul_(2)
+        loss = (out + rpc_sync("w3", doubled_in_place, args=(x,))).pow(2).sum()
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(dist_autograd.get_gradients(context_id), [x, y], want)
+
+
+def test_custom_function_keeping_a_tensor_named_variable_backpropagates() -> None:
+    x, y = _leaves(15)
+    want = _local_grads((doubled_keeping_variable(x) * y).sum() + doubled_keeping_variable(y).sum(), [x, y])
+    with dist_autograd.context() as context_id:
+        loss = (doubled_keeping_variable(x) * y).sum() + rpc_sync(
+            "w1", doubled_keeping_variable, args=(y,)
+        ).sum()
+        dist_autograd.backward(context_id, [loss])
+        _assert_grads(dist_autograd.get_gradients(context_id), [x, y], want)
 
 
 def test_rref_backward_runs_on_the_owner_locally_or_in_a_context() -> None:
@@ -281,6 +375,30 @@ def test_distributed_optimizer_trains_a_split_model_to_the_single_process_result
         got = rpc_sync(remote_module.on, module_state, args=(remote_module.get_module_rref(),))
         for name, value in module.state_dict().items():
             torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-12)
+
+
+def test_distributed_optimizer_builds_its_optimizers_with_a_factory() -> None:
+    generator = torch.Generator().manual_seed(8)
+    batches = [torch.randn(5, 4, generator=generator, dtype=torch.float64) for _ in range(3)]
+    local = Stage(4, 2, seed=3)
+    reference = torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.9)
+    for batch in batches:
+        reference.zero_grad()
+        local(batch).pow(2).sum().backward()
+        reference.step()
+
+    remote_module = RemoteModule("w2/cpu", Stage, args=(4, 2), kwargs={"seed": 3})
+    sgd_with_momentum = functools.partial(torch.optim.SGD, momentum=0.9)
+    optimizer = DistributedOptimizer(sgd_with_momentum, remote_module.remote_parameters(), lr=0.1)
+    for batch in batches:
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, [remote_module(batch).pow(2).sum()])
+            optimizer.step(context_id)
+    got = rpc_sync("w2", module_state, args=(remote_module.get_module_rref(),))
+    for name, value in local.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-12)
+    with pytest.raises(TypeError, match=r"optimizer_class='SGD': must be an optimizer class"):
+        DistributedOptimizer("SGD", remote_module.remote_parameters())  # type: ignore[arg-type]
 
 
 def test_remote_module_forward_async_and_backward() -> None:

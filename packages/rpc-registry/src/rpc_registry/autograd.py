@@ -21,11 +21,12 @@ Example::
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import torch
 from torch.futures import Future
@@ -51,6 +52,10 @@ GradTuple: TypeAlias = tuple[torch.Tensor | None, ...]
 # The context whose backward pass this thread runs, while it runs it.
 _running = threading.local()
 
+# What ``Node.name()`` says of a leaf's accumulate-grad node (a custom Function's node is named
+# after its class, which cannot hold "::").
+_ACCUMULATE_GRAD: Final = "torch::autograd::AccumulateGrad"
+
 
 def is_available() -> bool:
     """Distributed autograd is always available (it needs no compiled extension)."""
@@ -61,8 +66,9 @@ class context:
     """A distributed autograd context; ``with`` yields its id.
 
     Calls made in the ``with`` body (on this thread) record their tensors for
-    :func:`backward`. On exit the context is released here and on every
-    worker it reached.
+    :func:`backward`. On exit the context is released here, and the workers
+    it reached are asked to release it too, without waiting for them (as in
+    torch; a failure is logged).
     """
 
     def __init__(self) -> None:
@@ -85,43 +91,46 @@ class context:
             return  # RPC shut down inside the body: its contexts are gone with it
         state.grad.clear_current()
         released = state.grad.release(context_id)
-        if released is None:
-            return
-        try:
-            _release_on_workers(state, released).wait()
-        except Exception as exc:  # noqa: BLE001 - the body's outcome must not be masked
-            logger.warning("releasing autograd context %d on its workers failed: %s", context_id, exc)
+        if released is not None:
+            _release_on_workers(state, released)
 
 
-def _release_on_workers(state: engine._RpcState, released: GradContext) -> Future[list[Future[Any]]]:
+def _release_on_workers(state: engine._RpcState, released: GradContext) -> None:
+    """Ask the other workers that ``released`` reached to release it; failures are logged, not waited for.
+
+    Exit never waits on a slow or lost worker, as in torch.
+    """
     timeout = state.resolve_timeout(-1)
-    futures = [
-        state.request(worker, ("call", _release_here, (released.context_id,), {}), timeout, in_context=False)
-        for worker in released.workers.values()
-        if worker.name != state.me.name
-    ]
-    return torch.futures.collect_all(futures)
+    for worker in released.workers.values():
+        if worker.name == state.me.name:
+            continue
+        try:
+            fut = state.request(
+                worker, ("call", _release_here, (released.context_id,), {}), timeout, in_context=False
+            )
+        except Exception as exc:  # noqa: BLE001 - logged: the context ends here all the same
+            _log_failed_release(released.context_id, worker.name, exc)
+        else:
+            fut.add_done_callback(functools.partial(_check_release, released.context_id, worker.name))
 
 
-@async_execution
-def _release_here(context_id: int) -> Future[None]:
-    """Release ``context_id`` on this worker and on the workers it reached from here."""
+def _check_release(context_id: int, worker_name: str, fut: Future[Any]) -> None:
+    try:
+        fut.wait()
+    except Exception as exc:  # noqa: BLE001 - a callback has no caller to raise to
+        _log_failed_release(context_id, worker_name, exc)
+
+
+def _log_failed_release(context_id: int, worker_name: str, exc: Exception) -> None:
+    logger.warning("releasing autograd context %d on %s failed: %s", context_id, worker_name, exc)
+
+
+def _release_here(context_id: int) -> None:
+    """Release ``context_id`` on this worker, then on the workers it reached from here."""
     state = engine._current()
     released = state.grad.release(context_id)
-    if released is None:
-        return completed(None)
-    done: Future[None] = Future()
-
-    def finished(all_done: Future[list[Future[Any]]]) -> None:
-        for fut in all_done.value():
-            try:
-                fut.wait()
-            except Exception as exc:  # noqa: BLE001 - one worker's failure must not stop the others
-                logger.warning("releasing autograd context %d failed on a worker: %s", context_id, exc)
-        done.set_result(None)
-
-    _release_on_workers(state, released).add_done_callback(finished)
-    return done
+    if released is not None:
+        _release_on_workers(state, released)
 
 
 def running_backward() -> int | None:
@@ -217,11 +226,13 @@ def _leaves(outputs: list[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
         if node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            leaves.append((variable, node))
+        if node.name() == _ACCUMULATE_GRAD:
+            leaves.append((node.variable, node))
         stack.extend(child for child, _ in node.next_functions if child is not None)
     return leaves
+
+
+_probe_lock = threading.Lock()
 
 
 def _probe(*args: object) -> None:
@@ -235,12 +246,15 @@ def _hooks_of(register: Callable[[Callable[..., None]], RemovableHandle]) -> lis
     id, which every handle it returns refers to: a probe registered and
     removed at once reads it. Hooks added from C++ are not in it.
     """
-    handle = register(_probe)
-    try:
-        hooks = handle.hooks_dict_ref()
-        return [hook for key, hook in hooks.items() if key != handle.id] if hooks is not None else []
-    finally:
-        handle.remove()
+    # Passes of other contexts may read the same node's hooks (a parameter that trainers
+    # share): one at a time, so that none iterates the dict while another's probe is added.
+    with _probe_lock:
+        handle = register(_probe)
+        try:
+            hooks = handle.hooks_dict_ref()
+            return [hook for key, hook in hooks.items() if key != handle.id] if hooks is not None else []
+        finally:
+            handle.remove()
 
 
 def _checked(hook: Callable[..., Any], previous: GradTuple, result: object) -> GradTuple:

@@ -3,8 +3,10 @@
 A context records, per RPC made inside it, the tensors that required grad:
 on the sender as a *send* entry (the tensors themselves, still part of the
 sender's graph), on the receiver as *recv* leaves (fresh leaf tensors that
-stand for the sender's). Backward (in :mod:`rpc_registry.autograd`) computes
-gradients of recv leaves on one worker and hands them to the matching send
+stand for the sender's). The receiver's code gets each recv leaf through
+:class:`RecvRpc`, torch's ``RecvRpcBackward``: a tensor with a gradient
+function, which may be a root of backward or be changed in place. Backward
+(in :mod:`rpc_registry.autograd`) computes gradients of recv leaves on one worker and hands them to the matching send
 entry on the sender, which carries on there. Gradients of ordinary leaves are
 accumulated per context, never in ``.grad``.
 
@@ -48,6 +50,18 @@ class RecvInfo:
     sender: WorkerInfo
     send_id: int
     index: int
+
+
+class RecvRpc(torch.autograd.Function):
+    """The identity from a recv leaf to the tensor the receiver's code gets (no copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: torch.Tensor) -> torch.Tensor:
+        return leaf.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 @dataclass
@@ -191,7 +205,7 @@ class GradContainer:
         return Message(payload, tensors)
 
     def on_receive(self, message: Message, create: bool) -> tuple[Message, int | None]:
-        """The inner message and its context id; tensors that required grad become recv leaves.
+        """The inner message and its context id; tensors that required grad come from recv leaves.
 
         ``create``: a request creates the context here if it is new; a reply
         for a context that has ended is taken without gradients.
@@ -209,9 +223,9 @@ class GradContainer:
         sender = self._worker_by_id(sender_id)
         context.touched(sender)
         tensors = list(message.tensors)
-        with context.lock:
+        with context.lock, torch.enable_grad():
             for position, index in enumerate(indices):
                 leaf = tensors[index].detach().requires_grad_()
-                tensors[index] = leaf
                 context.recvs[id(leaf)] = (leaf, RecvInfo(sender, send_id, position))
+                tensors[index] = RecvRpc.apply(leaf)  # type: ignore[no-untyped-call]
         return Message(inner, tuple(tensors)), context_id

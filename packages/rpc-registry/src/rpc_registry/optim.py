@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ class _LocalOptimizer:
 
     def __init__(
         self,
-        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_class: Callable[..., torch.optim.Optimizer],
         local_params_rref: list[RRef[torch.Tensor]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -56,7 +56,7 @@ class _LocalOptimizer:
 
 
 def _new_local_optimizer(
-    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_class: Callable[..., torch.optim.Optimizer],
     local_params_rref: list[RRef[torch.Tensor]],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -71,21 +71,24 @@ def _local_step(optimizer: RRef[_LocalOptimizer], context_id: int) -> None:
 class DistributedOptimizer:
     """Steps parameters spread over workers, given as RRefs (e.g. ``RemoteModule.remote_parameters()``).
 
-    ``optimizer_class(params, *args, **kwargs)`` is built on every owner of
-    some of ``params_rref``; :meth:`step` applies the gradients of one
-    distributed autograd context on all of them concurrently.
+    ``optimizer_class(params, *args, **kwargs)`` (a class, or any picklable
+    callable such as ``functools.partial(torch.optim.SGD, momentum=0.9)``)
+    is built on every owner of some of ``params_rref``; :meth:`step`
+    applies the gradients of one distributed autograd context on all of
+    them concurrently.
     """
 
     def __init__(
         self,
-        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_class: Callable[..., torch.optim.Optimizer],
         params_rref: Sequence[RRef[torch.Tensor]],
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(optimizer_class, type):
+        if not callable(optimizer_class):
             raise TypeError(
-                f"optimizer_class={optimizer_class!r}: must be an optimizer class such as torch.optim.SGD"
+                f"optimizer_class={optimizer_class!r}: must be an optimizer class such as torch.optim.SGD, "
+                "or a callable that builds one from (params, *args, **kwargs)"
             )
         per_owner: dict[str, tuple[WorkerInfo, list[RRef[torch.Tensor]]]] = {}
         for rref in params_rref:
