@@ -7,7 +7,7 @@ from typing import Any
 
 import cases
 import pytest
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from torch.utils.data import DataLoader
 
 from join_core.testing import run_ranks
@@ -22,6 +22,14 @@ def _fit_refused(rank: int, world_size: int, setting: str) -> str:
         options["use_distributed_sampler"] = True
     elif setting == "interval":
         options["val_check_interval"] = 0.5
+    elif setting == "interval_time":
+        options["val_check_interval"] = "00:00:10:00"
+    elif setting == "max_time":
+        options["max_time"] = {"minutes": 5}
+    elif setting == "timer_step":
+        options["callbacks"] = [Timer(duration=timedelta(minutes=5), interval="step")]
+    elif setting == "accumulate":
+        options["accumulate_grad_batches"] = 2
     elif setting == "checkpoint_steps":
         options["callbacks"] = [ModelCheckpoint(every_n_train_steps=2)]
     else:
@@ -39,6 +47,10 @@ def _fit_refused(rank: int, world_size: int, setting: str) -> str:
     [
         ("sampler", "JoinDDPStrategy needs Trainer(use_distributed_sampler=False)"),
         ("interval", "Trainer(val_check_interval=0.5) validates in the middle of an epoch"),
+        ("interval_time", "a time-based Trainer(val_check_interval=...) (600 s) validates when"),
+        ("max_time", "Timer(interval='step') (the one Trainer(max_time=...) adds) broadcasts"),
+        ("timer_step", "callbacks=[Timer(duration=..., interval='epoch')] instead of max_time"),
+        ("accumulate", "Trainer(accumulate_grad_batches=2) is not supported"),
         ("checkpoint_steps", "ModelCheckpoint(every_n_train_steps=2) saves in the middle of an epoch"),
         (
             "checkpoint_time",
@@ -46,7 +58,7 @@ def _fit_refused(rank: int, world_size: int, setting: str) -> str:
         ),
     ],
 )
-def test_trainer_settings_that_pad_validate_or_save_mid_epoch_are_refused(setting: str, named: str) -> None:
+def test_trainer_settings_that_cannot_work_with_uneven_batches_are_refused(setting: str, named: str) -> None:
     (message,) = run_ranks(_fit_refused, 1, setting, timeout=60)
     assert named in message
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import cases
 import pytest
 import torch
@@ -98,3 +100,63 @@ def test_a_rank_failing_after_another_joined_stops_every_rank_naming_it() -> Non
         "JoinAbortedError: Join aborted: rank 1 raised ValueError: bad batch on rank 1",
         "ValueError: bad batch on rank 1",
     ]
+
+
+class _Validated(cases.Regression):
+    """Counts its validation runs; validation logs a synced loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validations = 0
+
+    def on_validation_start(self) -> None:
+        self.validations += 1
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True, batch_size=len(x))
+
+
+def _fit_to_max_steps(rank: int, world_size: int, longest: int) -> tuple[int, int]:
+    cases.lightning_env(rank, world_size)
+    model = _Validated()
+    trainer = cases.trainer(world_size, max_epochs=1, max_steps=4)
+    batches = 3 if rank == 0 else longest
+    trainer.fit(
+        model,
+        cases.loader(cases.regression_batches(rank, batches)),
+        cases.loader(cases.regression_batches(9, 2)),
+    )
+    return trainer.global_step, model.validations
+
+
+@pytest.mark.parametrize(("longest", "validations"), [(5, 0), (4, 1)])
+def test_max_steps_within_an_epoch_validates_on_every_rank_as_the_longest_rank_decides(
+    longest: int, validations: int
+) -> None:
+    # With 5 batches the longest rank stops at step 4 before its last batch, so no rank
+    # validates (as with even batches); with 4 it stops at its last batch, so every rank does.
+    results = run_ranks(_fit_to_max_steps, 2, longest, timeout=60)
+    assert results == [(4, validations)] * 2
+
+
+def _fit_fp16(rank: int, world_size: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    cases.lightning_env(rank, world_size)
+    # The loss scale doubles at every step without an overflow.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0, growth_interval=1)
+    trainer = cases.trainer(world_size, max_epochs=2, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    model = cases.Regression()
+    trainer.fit(model, cases.loader(cases.regression_batches(rank, 3 + 2 * rank)))
+    return trainer.precision_plugin.state_dict(), {
+        k: v.detach().clone() for k, v in model.state_dict().items()
+    }
+
+
+def test_fp16_loss_scale_is_the_longest_ranks_after_an_uneven_epoch() -> None:
+    (scale0, model0), (scale1, model1) = run_ranks(_fit_fp16, 2, timeout=60)
+    assert scale0 == scale1
+    assert scale1["scale"] == 2.0 * 2**10  # 5 steps an epoch
+    for key, value in model0.items():
+        torch.testing.assert_close(value, model1[key], msg=key)

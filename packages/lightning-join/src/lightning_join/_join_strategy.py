@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
@@ -157,6 +158,14 @@ class JoinStrategyBase(ParallelStrategy):
                 "for validation and test"
             )
         if trainer.state.fn == TrainerFn.FITTING:
+            seconds = getattr(trainer, "_val_check_time_interval", None)
+            if seconds is not None:
+                raise ValueError(
+                    f"{name}: a time-based Trainer(val_check_interval=...) ({seconds:g} s) validates when "
+                    "that time has passed, in the middle of an epoch, where ranks with different numbers of "
+                    "batches are at different batches; use val_check_interval=1.0 (validate after each "
+                    "epoch, the default)"
+                )
             interval = trainer.val_check_interval
             if isinstance(interval, int) or interval != 1.0:
                 raise ValueError(
@@ -166,6 +175,8 @@ class JoinStrategyBase(ParallelStrategy):
                 )
             for callback in trainer.checkpoint_callbacks:
                 _check_checkpoint_interval(name, callback)
+            for other in getattr(trainer, "callbacks", []):
+                _check_timer_interval(name, other)
 
     # Data.
 
@@ -354,15 +365,18 @@ class JoinStrategyBase(ParallelStrategy):
         join.__enter__()
         self._training_join = join
 
-    def leave_training(self, error: BaseException | None) -> None:
+    def leave_training(self, error: BaseException | None, validates: bool = False) -> bool:
         """Leave this epoch's Join, if in one, and take the training state of
-        the rank that trained longest."""
+        the rank that trained longest. Returns whether every rank validates
+        next, ``validates`` saying whether this one would (outside a Join,
+        ``validates`` itself)."""
         join, self._training_join = self._training_join, None
         if join is None:
-            return
+            return validates
         self._leave(join, error)
-        if error is None:
-            self._take_state_of_longest_rank()
+        if error is not None:
+            return False
+        return self._take_state_of_longest_rank(validates)
 
     def training_done(self) -> bool:
         """Whether this rank's training batches of the epoch are over."""
@@ -386,22 +400,31 @@ class JoinStrategyBase(ParallelStrategy):
         else:
             join.__exit__(type(error), error, error.__traceback__)
 
-    def _take_state_of_longest_rank(self) -> None:
+    def _take_state_of_longest_rank(self, validates: bool) -> bool:
         """Every rank takes the optimizer (or, when sharded, its
-        hyperparameters) and scheduler states and the step counters of the
-        highest rank with the most batches; nothing moves when all had as
-        many. A rank that shadowed the others' batches drops the gradients
-        their reductions left in its ``.grad``: they are no gradient of its
-        own, and a manual ``zero_grad()`` after the step would not clear
-        them before its next backward."""
+        hyperparameters), scheduler and precision plugin (the fp16 loss
+        scale) states and the step counters of the highest rank with the
+        most batches; nothing moves when all had as many. A rank that
+        shadowed the others' batches drops the gradients their reductions
+        left in its ``.grad``: they are no gradient of its own, and a manual
+        ``zero_grad()`` after the step would not clear them before its next
+        backward.
+
+        Returns whether every rank ``validates``: a rank that ran out of
+        batches would validate where the longest, stopped by ``max_steps``
+        before its last batch, would not (nor would any rank with even
+        batches)."""
         trainer = self._trainer
         assert trainer is not None
         loop = trainer.fit_loop.epoch_loop
-        counts = torch.zeros(self.world_size, dtype=torch.float64, device=self.root_device)
+        counts = torch.zeros(self.world_size + 1, dtype=torch.float64, device=self.root_device)
         counts[self.global_rank] = float(loop.batch_progress.current.completed)
+        counts[-1] = 1.0 if validates else 0.0
         dist.all_reduce(counts)
+        every_rank_validates = bool(counts[-1] == self.world_size)
+        counts = counts[:-1]
         if bool((counts == counts[0]).all()):
-            return
+            return every_rank_validates
         if counts[self.global_rank] < counts.max() and self.lightning_module is not None:
             self.lightning_module.zero_grad(set_to_none=True)
         src = int((counts == counts.max()).nonzero().max())
@@ -414,6 +437,7 @@ class JoinStrategyBase(ParallelStrategy):
                     for optimizer in trainer.optimizers
                 ],
                 "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+                "precision": trainer.precision_plugin.state_dict(),
                 "optim_progress": loop.automatic_optimization.optim_progress.state_dict(),
                 "manual_progress": loop.manual_optimization.optim_step_progress.state_dict(),
                 "scheduler_progress": loop.scheduler_progress.state_dict(),
@@ -424,7 +448,7 @@ class JoinStrategyBase(ParallelStrategy):
         assert state is not None
         self._check_epoch_record(state["epoch_record"], src)
         if self.global_rank == src:
-            return
+            return every_rank_validates
         for optimizer, optimizer_state in zip(trainer.optimizers, state["optimizers"]):
             if whole:
                 optimizer.load_state_dict(optimizer_state)
@@ -433,15 +457,28 @@ class JoinStrategyBase(ParallelStrategy):
                     group.update(hyperparameters)
         for config, scheduler_state in zip(trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(scheduler_state)
+        trainer.precision_plugin.load_state_dict(state["precision"])
         loop.automatic_optimization.optim_progress.load_state_dict(state["optim_progress"])
         loop.manual_optimization.optim_step_progress.load_state_dict(state["manual_progress"])
         loop.scheduler_progress.load_state_dict(state["scheduler_progress"])
         loop._batches_that_stepped = state["batches_that_stepped"]
+        return every_rank_validates
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The optimizer's param groups without their parameters (lr, momentum, ...)."""
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def _check_timer_interval(strategy: str, callback: object) -> None:
+    """Reject a Timer that checks the time after every batch, naming the fix."""
+    if isinstance(callback, Timer) and callback._duration is not None and callback._interval == "step":
+        raise ValueError(
+            f"{strategy}: Timer(interval='step') (the one Trainer(max_time=...) adds) broadcasts rank 0's "
+            "decision to stop after every batch, which a rank out of batches cannot take part in; pass "
+            "callbacks=[Timer(duration=..., interval='epoch')] instead of max_time (the time is checked "
+            "after each epoch)"
+        )
 
 
 def _check_checkpoint_interval(strategy: str, callback: object) -> None:

@@ -19,6 +19,10 @@ strategy runs it, and put back at teardown:
   rank with fewer batches; inside the Join that step waits until the rank
   has left it (and taken the longest rank's scheduler states), so every
   rank's optimizer steps with the same learning rate until the epoch ends.
+  And ``_should_check_val_fx``: Lightning decides at each rank's last batch
+  whether to validate: a rank out of batches would, the longest, stopped by
+  ``max_steps`` before its last batch, would not. The ranks agree as they
+  leave the Join, validating only if every rank would.
 - evaluation loops: ``run`` (an error leaves the Join),
   ``_store_dataloader_outputs`` (the end of a dataloader's batches: the Join
   is left before the metrics are synced) and ``on_run_end``.
@@ -40,7 +44,7 @@ class LoopHooks(Protocol):
     """What the strategy does at the loops' moments."""
 
     def enter_training(self) -> None: ...
-    def leave_training(self, error: BaseException | None) -> None: ...
+    def leave_training(self, error: BaseException | None, validates: bool = False) -> bool: ...
     def training_done(self) -> bool: ...
     def leave_evaluation(self, error: BaseException | None) -> None: ...
     def in_training_join(self) -> bool: ...
@@ -70,14 +74,17 @@ def wrap_training_epoch_loop(loop: Any, hooks: LoopHooks) -> None:
         return
     run, advance, on_advance_end = loop.run, loop.advance, loop.on_advance_end
     update_lr_schedulers = loop.update_lr_schedulers
+    should_check_val = loop._should_check_val_fx
     deferred: list[tuple[Any, ...]] = []  # epoch-interval scheduler updates, until the Join is left
+    agreed: list[bool] = []  # whether every rank validates after the batch that left the Join
 
-    def leave(error: BaseException | None) -> None:
-        hooks.leave_training(error)
+    def leave(error: BaseException | None, validates: bool = False) -> bool:
+        every_rank_validates = hooks.leave_training(error, validates)
         if error is None:
             for args in deferred:
                 update_lr_schedulers(*args)
         deferred.clear()
+        return every_rank_validates
 
     @functools.wraps(run)
     def run_wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -110,8 +117,15 @@ def wrap_training_epoch_loop(loop: Any, hooks: LoopHooks) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             agree_on_sigterm()
         if hooks.training_done():
-            leave(None)
-        return on_advance_end(*args, **kwargs)
+            agreed.append(leave(None, validates=bool(should_check_val(*args, **kwargs))))
+        try:
+            return on_advance_end(*args, **kwargs)
+        finally:
+            agreed.clear()
+
+    @functools.wraps(should_check_val)
+    def should_check_val_wrapper(*args: Any, **kwargs: Any) -> bool:
+        return agreed.pop() if agreed else bool(should_check_val(*args, **kwargs))
 
     def agree_on_sigterm() -> None:
         flag = torch.tensor([1.0 if hooks.received_sigterm() else 0.0], device=hooks.root_device)
@@ -128,6 +142,7 @@ def wrap_training_epoch_loop(loop: Any, hooks: LoopHooks) -> None:
     _set(loop, "advance", advance_wrapper)
     _set(loop, "on_advance_end", on_advance_end_wrapper)
     _set(loop, "update_lr_schedulers", update_lr_schedulers_wrapper)
+    _set(loop, "_should_check_val_fx", should_check_val_wrapper)
     if hasattr(loop, "_broadcast_sigterm_tensor"):
         _set(loop, "_broadcast_sigterm_tensor", no_broadcast)
 

@@ -270,7 +270,7 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
         super().enter_training()
 
     @override
-    def leave_training(self, error: BaseException | None) -> None:
+    def leave_training(self, error: BaseException | None, validates: bool = False) -> bool:
         """Leave this epoch's Join: shadow the other ranks' batches (stepping
         the step-interval schedulers with the replayed optimizer steps) and
         take the scheduler states and counters of the longest rank."""
@@ -278,7 +278,7 @@ class JoinFSDPStrategy(JoinStrategyBase, ModelParallelStrategy):
         if self._training_join is not None and error is None and trainer is not None:
             self._replayed_batch = int(trainer.fit_loop.epoch_loop.batch_progress.current.completed)
         try:
-            super().leave_training(error)
+            return super().leave_training(error, validates)
         finally:
             self._replayed_batch = None
 

@@ -12,6 +12,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
@@ -161,6 +162,17 @@ class JoinDDPStrategy(JoinStrategyBase, DDPStrategy):
                 yield None
         else:
             yield None
+
+    @override
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        super()._check_trainer(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"JoinDDPStrategy: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
+                "supported (a rank out of batches shadows one syncing forward and gradient all-reduce per batch "
+                "of the others, and a rank steps at its own last batch); use accumulate_grad_batches=1 and a "
+                "larger batch"
+            )
 
     @override
     def teardown(self) -> None:
