@@ -698,3 +698,43 @@ def test_a_dropped_wrapper_is_freed_and_leaves_no_hook_on_the_module_as_torchs()
     (freed, grads), (_, other) = run_ranks(_dropped_wrappers, 2)
     assert freed
     assert grads == other and len(grads) == 4
+
+
+class _BackwardInForward(torch.nn.Module):
+    """A loss computed and backpropagated inside forward() (as Lightning's manual
+    optimization does), with a layer it never reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = torch.nn.Linear(4, 1)
+        self.unused = torch.nn.Linear(4, 1)
+        self.prepare: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = self.used(x).sum()
+        self.prepare(loss)
+        loss.backward()
+        return loss
+
+
+def _backward_in_forward(rank: int, world_size: int, ours: bool) -> tuple[bool, list[float]]:
+    module = _BackwardInForward()
+    if ours:
+        model: Any = DistributedDataParallel(module, find_unused_parameters=True)
+        module.prepare = model.prepare_for_backward
+    else:
+        model = TorchDDP(module, find_unused_parameters=True)
+        module.prepare = lambda loss: model.reducer.prepare_for_backward([loss])
+    for step in range(2):
+        model(batch(rank, step)[0])
+    assert module.used.weight.grad is not None
+    return module.unused.weight.grad is None, module.used.weight.grad.reshape(-1).tolist()
+
+
+def test_prepare_for_backward_before_a_backward_inside_forward_finds_unused_parameters_as_torchs() -> None:
+    theirs = run_ranks(_backward_in_forward, 2, False)
+    ours = run_ranks(_backward_in_forward, 2, True)
+    assert theirs[0][0] and ours[0][0]
+    for (_, mine), (_, torchs) in zip(ours, theirs):
+        assert mine == pytest.approx(torchs, rel=1e-6)

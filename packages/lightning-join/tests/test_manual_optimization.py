@@ -128,6 +128,41 @@ def test_manual_optimization_ends_with_the_single_process_model_on_every_rank(
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
 
 
+class _ManualWithUnused(ManualRegression):
+    """ManualRegression with a layer its loss never reaches, and AdamW with weight decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(2, 2)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.1, weight_decay=0.5)
+
+
+def _fit_with_unused(rank: int, world_size: int, ours: bool) -> tuple[bool, list[float]]:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    cases.lightning_env(rank, world_size)
+    strategy = (
+        JoinDDPStrategy(find_unused_parameters=True) if ours else DDPStrategy(find_unused_parameters=True)
+    )
+    trainer = cases.trainer(world_size, max_epochs=1, strategy=strategy)
+    model = _ManualWithUnused()
+    before = model.unused.weight.detach().clone()
+    trainer.fit(model, cases.loader(cases.regression_batches(rank, 2)))
+    moved = (model.unused.weight.detach() - before).abs().reshape(-1).tolist()
+    return model.unused.weight.grad is None, moved
+
+
+def test_manual_optimization_leaves_the_parameters_its_loss_never_reaches_alone_as_ddpstrategy() -> None:
+    # The backward ran inside the wrapper's forward, before it looked for unused parameters:
+    # they got zero gradients, which AdamW's weight decay then applied.
+    theirs = run_ranks(_fit_with_unused, 2, False, timeout=150)
+    ours = run_ranks(_fit_with_unused, 2, True, timeout=150)
+    assert theirs[0] == (True, [0.0] * 4)
+    assert ours == theirs
+
+
 def _fit_scheduled_on_last_batch(rank: int, world_size: int) -> str:
     cases.lightning_env(rank, world_size)
     trainer = cases.trainer(world_size, max_epochs=1, strategy=JoinFSDPStrategy())

@@ -133,6 +133,11 @@ class Reducer:
     # One iteration.
 
     @property
+    def iteration_open(self) -> bool:
+        """Whether a synchronizing forward opened an iteration whose backward has not ended."""
+        return self._open
+
+    @property
     def carries(self) -> bool:
         """Whether the metadata (and Join's heartbeat) ride in bucket 0."""
         return self._meta_rides and self.comm_hook is None

@@ -323,6 +323,8 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
             if self.will_sync_module_buffers():
                 self._sync_buffers()
         output = self.module(*inputs, **kwargs)
+        if syncing and not reducer.iteration_open:
+            return output  # its backward ran inside the module's forward (see prepare_for_backward)
         if reducer.static_graph:
             if syncing:
                 reducer.use_static_counts()  # learned in the first synchronizing backward
@@ -336,6 +338,17 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
                 if tensor.requires_grad:
                     tensor.register_hook(reducer.start_backward)
         return output
+
+    def prepare_for_backward(self, output: Any) -> None:
+        """Before a backward that runs inside ``forward()`` (Lightning's manual
+        optimization calls the module's backward in its training step): note
+        which parameters ``output``'s graph reaches, as ``forward()`` does with
+        its own output afterwards, so that with ``find_unused_parameters=True``
+        the others keep their ``.grad`` (None) instead of getting zeros. torch
+        has it as ``reducer.prepare_for_backward``; without
+        ``find_unused_parameters`` (or with ``static_graph``) it does nothing."""
+        if self.find_unused_parameters and not self._reducer.static_graph and self._reducer.iteration_open:
+            self._reducer.find_unused(output, syncing=True)
 
     def will_sync_module_buffers(self) -> bool:
         """Whether a synchronizing forward broadcasts the module's buffers."""

@@ -175,6 +175,21 @@ class JoinDDPStrategy(JoinStrategyBase, DDPStrategy):
             )
 
     @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        """As DDPStrategy's, for our wrapper: with manual optimization the
+        backward runs inside its forward, so it learns first what the loss
+        reaches (``find_unused_parameters``: the others keep ``.grad`` None)."""
+        module = self.lightning_module
+        if (
+            isinstance(self.model, DistributedDataParallel)
+            and module is not None
+            and not module.automatic_optimization
+        ):
+            self.model.prepare_for_backward(closure_loss)
+            return
+        super().pre_backward(closure_loss)
+
+    @override
     def teardown(self) -> None:
         self._leave_all()
         if isinstance(self.model, DistributedDataParallel):
