@@ -120,6 +120,38 @@ def test_survivors_of_a_frozen_rank_finish_exactly_and_fence_it_when_it_wakes() 
     assert run_ranks(_lose_rank_2, 3, "freeze", "forward", timeout=90) == ["survived", "survived", "removed"]
 
 
+def _two_frozen(rank: int, world_size: int) -> str:
+    """Ranks 2 and 3 freeze together in iteration LOST_AT; rank 0 wakes them at the end:
+    each must learn when it was removed."""
+    pids = _pids(rank, world_size)
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with Join([model], on_rank_lost="continue", liveness_timeout=LIVENESS):
+            for step in range(STEPS):
+                optimizer.zero_grad()
+                loss = loss_fn(model, *batch(rank, step))
+                if rank >= 2 and step == LOST_AT:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                loss.backward()
+                optimizer.step()
+    except RankRemovedError as removed:
+        return f"removed at {removed.iteration}"
+    finally:
+        if rank == 0:
+            for frozen in pids[2:]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(frozen, signal.SIGCONT)
+    return "survived"
+
+
+def test_ranks_frozen_together_learn_when_they_were_removed() -> None:
+    # The survivors recorded their agreement under both lost ranks; each woken rank looked for it
+    # under itself alone and said it was removed "while this rank was away".
+    results = run_ranks(_two_frozen, 4, timeout=90)
+    assert results == ["survived", "survived", f"removed at {LOST_AT + 1}", f"removed at {LOST_AT + 1}"]
+
+
 def _uneven_with_losses(
     rank: int,
     world_size: int,

@@ -378,9 +378,11 @@ class Join:
             if store_host is not None:
                 detail = _STORE_HOST_LOST.format(rank=self._members[store_host])
                 raise RankLostError(verdict.ranks, detail) from failure
-        if self._on_rank_lost == "continue" and watch.rank in watch.published_verdict():
+        published = watch.published_verdict() if self._on_rank_lost == "continue" else {}
+        if watch.rank in published:
             me = self._members[watch.rank]
-            lost_key = _lost_key(set(self._lost) | {me})
+            # Where the survivors recorded their agreement: under every rank lost so far.
+            lost_key = _lost_key(set(self._lost) | {self._members[rank] for rank in published})
             raise RankRemovedError(
                 me, removed_at(watch.store(), f"{self._regroup_prefix}{lost_key}/"), "its heartbeat stopped"
             ) from failure
