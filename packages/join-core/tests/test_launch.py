@@ -143,6 +143,9 @@ def _two_nodes(store: Any, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow(
+    reason="two launchers whose workers import torch: about 9 s alone, past 30 s beside the other test lanes"
+)
 def test_two_agents_of_one_job_go_on_without_a_lost_worker_and_agree() -> None:
     store = _job_store()
     nodes = _two_nodes(store)

@@ -106,7 +106,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self._owner: dict[int, int] = {}  # id(param) -> rank that steps it
         self._load = [0] * self.world_size  # elements owned per rank
-        self.initialized = False
+        self.initialized: bool = False
         self._consolidated: list[dict[int, Any]] | None = None
         self._stepped = 0  # heartbeats of the current Join when step() last finished
         # Going on without a lost rank (Join(on_rank_lost="continue")).
