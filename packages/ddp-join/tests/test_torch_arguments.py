@@ -718,23 +718,28 @@ class _BackwardInForward(torch.nn.Module):
         return loss
 
 
-def _backward_in_forward(rank: int, world_size: int, ours: bool) -> tuple[bool, list[float]]:
+def _backward_in_forward(
+    rank: int, world_size: int, ours: bool, static: bool = False
+) -> tuple[bool, list[float]]:
     module = _BackwardInForward()
     if ours:
-        model: Any = DistributedDataParallel(module, find_unused_parameters=True)
+        model: Any = DistributedDataParallel(module, find_unused_parameters=not static, static_graph=static)
         module.prepare = model.prepare_for_backward
     else:
         model = TorchDDP(module, find_unused_parameters=True)
         module.prepare = lambda loss: model.reducer.prepare_for_backward([loss])
-    for step in range(2):
+    for step in range(3):
         model(batch(rank, step)[0])
     assert module.used.weight.grad is not None
     return module.unused.weight.grad is None, module.used.weight.grad.reshape(-1).tolist()
 
 
-def test_prepare_for_backward_before_a_backward_inside_forward_finds_unused_parameters_as_torchs() -> None:
+@pytest.mark.parametrize("static", [False, True], ids=["find-unused", "static-graph"])
+def test_prepare_for_backward_before_a_backward_inside_forward_finds_unused_parameters_as_torchs(
+    static: bool,
+) -> None:
     theirs = run_ranks(_backward_in_forward, 2, False)
-    ours = run_ranks(_backward_in_forward, 2, True)
+    ours = run_ranks(_backward_in_forward, 2, True, static)
     assert theirs[0][0] and ours[0][0]
     for (_, mine), (_, torchs) in zip(ours, theirs):
         assert mine == pytest.approx(torchs, rel=1e-6)

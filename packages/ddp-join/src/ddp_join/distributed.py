@@ -344,11 +344,17 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         optimization calls the module's backward in its training step): note
         which parameters ``output``'s graph reaches, as ``forward()`` does with
         its own output afterwards, so that with ``find_unused_parameters=True``
-        the others keep their ``.grad`` (None) instead of getting zeros. torch
-        has it as ``reducer.prepare_for_backward``; without
-        ``find_unused_parameters`` (or with ``static_graph``) it does nothing."""
-        if self.find_unused_parameters and not self._reducer.static_graph and self._reducer.iteration_open:
-            self._reducer.find_unused(output, syncing=True)
+        the others keep their ``.grad`` (None) instead of getting zeros (with
+        ``static_graph``, once learned, from what the first backward used).
+        torch has it as ``reducer.prepare_for_backward``; otherwise it does
+        nothing."""
+        reducer = self._reducer
+        if not reducer.iteration_open:
+            return
+        if reducer.static_graph:
+            reducer.use_static_counts()
+        elif self.find_unused_parameters:
+            reducer.find_unused(output, syncing=True)
 
     def will_sync_module_buffers(self) -> bool:
         """Whether a synchronizing forward broadcasts the module's buffers."""
