@@ -220,3 +220,38 @@ def test_global_rank_and_initialized_are_torchs() -> None:
     rank0, rank1 = run_ranks(_attributes, 2)
     assert rank0 == [(0, 0, True)] * 2
     assert rank1 == [(1, 1, True)] * 2 + [(0, 1, True)] * 2  # in a group of rank 1 alone: rank 0 there
+
+
+class _Accumulating(torch.optim.Optimizer):
+    """Adds the size of the shard it steps to a running total in its groups at each step
+    (a value of its own shard, as Prodigy's ``d``)."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr, "total": 0})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            group["total"] = group["total"] + sum(p.numel() for p in group["params"])
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-group["lr"])
+
+
+def _replica_group_values(rank: int, world_size: int) -> tuple[int, int]:
+    model = make_model()
+    zero = ZeroRedundancyOptimizer(model.parameters(), _Accumulating, lr=0.1, shard_replicas=1)
+    for step in range(2):
+        zero.zero_grad()
+        loss_fn(model, *batch(rank, step)).backward()
+        zero.step()
+    assert zero._replica is not None
+    return int(zero.optim.param_groups[0]["total"]), int(zero._replica.param_groups[0]["total"])
+
+
+def test_a_replica_keeps_the_values_its_optimizer_keeps_in_its_groups_for_its_shard() -> None:
+    # The replica of the previous rank's shard must step as that rank's optimizer does: with the
+    # running values of that shard, not of this rank's own (copied into the groups after a step).
+    results = run_ranks(_replica_group_values, 2)
+    for rank, (_, replica) in enumerate(results):
+        assert replica == results[rank - 1][0], results

@@ -108,6 +108,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._load = [0] * self.world_size  # elements owned per rank
         self.initialized: bool = False
         self._consolidated: list[dict[int, Any]] | None = None
+        self._kept_keys: set[str] = set()  # group keys the local optimizer's step sets
         self._stepped = 0  # heartbeats of the current Join when step() last finished
         # Going on without a lost rank (Join(on_rank_lost="continue")).
         self._continues = False
@@ -233,20 +234,25 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for optimizer in optimizers:
             for global_group, local_group in zip(self.param_groups, optimizer.param_groups):
                 for key, value in global_group.items():
-                    if key != "params":
-                        local_group[key] = value  # e.g. a learning-rate scheduler's change
+                    # e.g. a learning-rate scheduler's change; the replica keeps the values its
+                    # optimizer keeps in its groups itself (those of its own shard)
+                    if key != "params" and (optimizer is self.optim or key not in self._kept_keys):
+                        local_group[key] = value
         if self._replica is not None and closure is not None:
             raise ValueError(
                 "ZeroRedundancyOptimizer.step(closure=...): with shard_replicas=1 the replica is stepped "
                 "with the same gradients, which a closure would change; call step() without one"
             )
+        before = [dict(group) for group in self.optim.param_groups]
         loss = self.optim.step(closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
         if self._replica is not None:
             self._replica.step(**kwargs)  # the same update its owner makes, on the same values
-        for global_group, local_group in zip(self.param_groups, self.optim.param_groups):
+        for global_group, local_group, previous in zip(self.param_groups, self.optim.param_groups, before):
             for key, value in local_group.items():
                 if key != "params":
-                    global_group[key] = value  # values the optimizer keeps in its groups (Prodigy's d and k)
+                    if key not in previous or previous[key] is not value:
+                        self._kept_keys.add(key)  # a value the optimizer keeps (Prodigy's d and k)
+                    global_group[key] = value
         return loss
 
     def _step_bucket(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
