@@ -244,8 +244,34 @@ def test_a_rank_without_any_batch_that_cannot_repeat_its_peers_clips_fails_every
             "gradient clips of the iteration before this one (none); this iteration's differ "
             "(clip_grad_norm_(0.2, 2.0))"
         ), outcome
-        assert "give every rank at least one batch" in outcome
+        assert "nothing was clipped before this iteration, so give every rank at least one batch" in outcome
     assert outcomes[0].startswith("JoinAbortedError"), outcomes[0]
+
+
+def _clipped_join_then_one_without_batches(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """A first Join where every rank trains a clipped step, then evaluates (no_grad); a second
+    where rank 0 has no batch and repeats the others' clips of the training step before."""
+    model = _sharded_model(torch.device("cpu"), nested=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    joinable = FSDPJoinable(model, optimizer)
+    for first, steps in ((True, 1), (False, 0 if rank == 0 else 2)):
+        with Join([joinable]):
+            for step in range(steps):
+                optimizer.zero_grad()
+                loss_fn(model, *batch(rank, step)).backward()
+                joinable.clip_grad_norm_(0.2)
+                optimizer.step()
+            if first:
+                with torch.no_grad():
+                    model(batch(rank, 9)[0])
+    return _full_state(model)
+
+
+def test_a_rank_without_any_batch_repeats_the_clips_of_the_last_training_step_not_of_an_evaluation() -> None:
+    states = run_ranks(_clipped_join_then_one_without_batches, 3, timeout=120)
+    for state in states[1:]:
+        for key in state:
+            assert torch.equal(state[key], states[0][key]), key
 
 
 def test_rejects_a_module_not_sharded() -> None:

@@ -72,9 +72,10 @@ class FSDPJoinable:
     tensor. A rank with no batch at all in a Join replays the empty slice of
     a peer's input, exchanged once, described in JSON, between the ranks of
     the process group (a second slot of the heartbeat says when one is
-    needed), and repeats that peer's gradient clips of the iteration before
-    (the ranks training raise ``ValueError`` in an iteration that clips
-    otherwise).
+    needed), and repeats that peer's gradient clips of the training iteration
+    before (in the iteration it takes that input in, the ranks training
+    raise ``ValueError`` if they clip otherwise; later, as any joined rank,
+    it repeats those clips).
 
     Args:
         module: a model already passed through ``fully_shard`` (its
@@ -194,7 +195,9 @@ class FSDPJoinable:
         self._in_backward = False  # a backward that failed left no end callback
         self._hand_over()
         self._last_input = (_empty_slice(args), _empty_slice(kwargs), torch.is_grad_enabled())
-        previous_clips, self._clips = self._clips, []
+        previous_clips = self._clips
+        if torch.is_grad_enabled():  # an evaluation forward clips nothing: the training ones' clips stay
+            self._clips = []
         self._promised_clips = None
         Join.notify_join_context(self)  # an iteration starts (carried: no collective of Join's)
         self._owned.begin()
@@ -340,12 +343,16 @@ class FSDPJoinable:
                         nothing, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self._group
                     )
         made = _clip_text([*self._clips, clip] if clip else self._clips)
+        fix = (
+            "clip the same way in every iteration (a Join's first iteration repeats the clips of the iteration "
+            "before it), or give every rank at least one batch"
+            if promised
+            else "nothing was clipped before this iteration, so give every rank at least one batch in it"
+        )
         raise ValueError(
             f"FSDPJoinable: a rank without any batch in this Join repeats the gradient clips of the "
             f"iteration before this one ({_clip_text(promised)}); this iteration's differ ({made}"
-            f"{', then the optimizer step' if clip is None else ''}). Clip the same way in every iteration "
-            "(a Join's first iteration repeats the clips of the iteration before it), or give every rank at "
-            "least one batch"
+            f"{', then the optimizer step' if clip is None else ''}): {fix}"
         )
 
     def _clip(self, kind: str, value: float, norm_type: float) -> torch.Tensor:
