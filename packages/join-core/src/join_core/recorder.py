@@ -268,9 +268,11 @@ class CollectiveRecorder:
     ) -> CollectiveRecord:
         known = self._groups.get(id(group))
         if known is None:
-            with self._lock:
-                known = self._groups[id(group)] = (group.group_name, itertools.count(1))
-            weakref.finalize(group, self._groups.pop, id(group), None)
+            with self._lock:  # two threads' first collectives on a group: one numbering
+                known = self._groups.get(id(group))
+                if known is None:
+                    known = self._groups[id(group)] = (group.group_name, itertools.count(1))
+                    weakref.finalize(group, self._groups.pop, id(group), None)
         name = known[0]
         verdict = self._verdicts.get(name)
         if verdict is not None:
