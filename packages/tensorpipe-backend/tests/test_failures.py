@@ -96,10 +96,32 @@ def test_a_shutdown_beside_a_stopped_peer_that_reads_nothing_ends_in_bounded_tim
     assert (
         outcome == "no error" and seconds < 5.0 + 3.0
     )  # the goodbyes' 5 s, then the close, (outcome, seconds)
-    assert any("s1 read nothing for 5 s; this worker leaves without telling them" in w for w in warnings), (
+    assert any("s1 read nothing for 5.0 s; this worker leaves without telling them" in w for w in warnings), (
         warnings
     )
     assert workers[0].exitcode == 0
+
+
+def test_a_graceful_shutdown_beside_a_stopped_peer_ends_within_its_timeout() -> None:
+    # Its calls to s1 never end: the shutdown fails at its timeout, and its goodbyes then waited
+    # 5 s more.
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results, stopped, never = CONTEXT.Queue(), CONTEXT.Event(), CONTEXT.Event()
+    targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+        (shut_down_beside_a_stopped_peer, (init_method, results, stopped, 2.0)),
+        (serve_until_liveness, ("s1", 1, 2, init_method, never, 0.0)),
+    ]
+    with spawned(targets, timeout=20) as workers:
+        try:
+            assert results.get(timeout=40) == "ready"
+            peer = workers[1].pid
+            assert peer is not None
+            os.kill(peer, signal.SIGSTOP)
+            stopped.set()
+            outcome, seconds, _ = results.get(timeout=40)
+        finally:
+            workers[1].kill()
+    assert outcome.startswith("TimeoutError") and seconds < 2.0 + 1.0, (outcome, seconds)
 
 
 def test_init_rpc_names_the_missing_worker_within_its_rendezvous_timeout_plus_a_second() -> None:

@@ -192,10 +192,13 @@ def serve_until(name: str, rank: int, world_size: int, init_method: str, done: A
     shutdown(graceful=False)
 
 
-def shut_down_beside_a_stopped_peer(init_method: str, results: Any, stopped: Any) -> None:
+def shut_down_beside_a_stopped_peer(
+    init_method: str, results: Any, stopped: Any, graceful_timeout: float | None = None
+) -> None:
     """s0, without liveness watch: once s1 is ``stopped`` (SIGSTOP), fill the connection to it
-    from a thread (echo calls of 8 MiB that s1 never reads), then ``shutdown(graceful=False)``;
-    report ``(outcome, seconds, warnings)``."""
+    from a thread (echo calls of 8 MiB that s1 never reads), then ``shutdown(graceful=False)``
+    (or, with ``graceful_timeout``, a graceful one with that timeout); report
+    ``(outcome, seconds, warnings)``."""
     warnings = _agent_warnings()
     init_rpc("s0", backend(), 0, 2, options(init_method, liveness_timeout=0))
     rpc_sync("s1", whoami)
@@ -207,7 +210,10 @@ def shut_down_beside_a_stopped_peer(init_method: str, results: Any, stopped: Any
     )
     filler.start()
     filler.join(3)  # blocked on the full connection by now
-    outcome, seconds = _timed_error(lambda: shutdown(graceful=False))
+    if graceful_timeout is None:
+        outcome, seconds = _timed_error(lambda: shutdown(graceful=False))
+    else:
+        outcome, seconds = _timed_error(lambda: shutdown(graceful=True, timeout=graceful_timeout))
     results.put((outcome, seconds, warnings))
 
 

@@ -158,6 +158,8 @@ class TensorPipeAgent:
         self._pings: dict[int, threading.Event] = {}
         self._closed = False
         self._said_goodbye = False
+        # The end of the last join()'s timeout: the goodbyes of the shutdown that follows wait no longer.
+        self._join_deadline: float | None = None
         self._threads: list[threading.Thread] = []
         self._device_maps = options.device_maps
         self._reverse_maps: dict[str, DeviceMap] = {}
@@ -615,6 +617,7 @@ class TensorPipeAgent:
         ``shutdown=True``) leaves the group, telling its peers.
         """
         deadline = time.monotonic() + timeout if timeout > 0 else None
+        self._join_deadline = deadline
         if self._world_size is None:
             self._wait_idle(deadline)
             if shutdown:
@@ -850,6 +853,9 @@ class TensorPipeAgent:
             self._said_goodbye = True
         # Each goodbye on a thread of its own: one to a peer that reads nothing waits for its
         # socket (or for the send lock of a call stuck on it) until the connection closes.
+        wait = _GOODBYE_WAIT
+        if self._join_deadline is not None:  # within the timeout of a graceful shutdown
+            wait = min(wait, max(self._join_deadline - time.monotonic(), 0.0))
         senders = []
         for conn in self._connections():
             sender = threading.Thread(
@@ -857,16 +863,16 @@ class TensorPipeAgent:
             )
             sender.start()
             senders.append((conn.peer.name, sender))
-        deadline = time.monotonic() + _GOODBYE_WAIT
+        deadline = time.monotonic() + wait
         for _, sender in senders:
             sender.join(max(deadline - time.monotonic(), 0.0))
         untold = sorted(name for name, sender in senders if sender.is_alive())
         if untold:
             logger.warning(
-                "%s: %s read nothing for %.0f s; this worker leaves without telling them",
+                "%s: %s read nothing for %.1f s; this worker leaves without telling them",
                 self._me.name,
                 ", ".join(untold),
-                _GOODBYE_WAIT,
+                wait,
             )
 
     def _forget_secret_files(self) -> None:
