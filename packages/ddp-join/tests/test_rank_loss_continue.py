@@ -5,6 +5,7 @@ at each iteration, the gradients of the ranks active then would end."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -150,6 +151,43 @@ def test_ranks_frozen_together_learn_when_they_were_removed() -> None:
     # under itself alone and said it was removed "while this rank was away".
     results = run_ranks(_two_frozen, 4, timeout=90)
     assert results == ["survived", "survived", f"removed at {LOST_AT + 1}", f"removed at {LOST_AT + 1}"]
+
+
+def _recovery_times_out(rank: int, world_size: int) -> str:
+    """Rank 2 is killed; rank 1 stays away (alive, outside collectives) longer than the
+    survivors' agreement waits for it (shortened to 2 s here)."""
+    import join_core.join
+
+    join_core.join.agree = functools.partial(join_core.join.agree, wait=timedelta(seconds=2))  # type: ignore[attr-defined]
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with Join([model], on_rank_lost="continue", liveness_timeout=LIVENESS):
+            for step in range(STEPS):
+                optimizer.zero_grad()
+                loss = loss_fn(model, *batch(rank, step))
+                if step == LOST_AT and rank == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if step == LOST_AT and rank == 1:
+                    time.sleep(4 * LIVENESS.total_seconds())
+                loss.backward()
+                optimizer.step()
+    except (RankLostError, TimeoutError) as error:
+        if rank == 0:  # it waited for rank 1 in the agreement, in vain
+            text = str(error)
+            assert isinstance(error, RankLostError) and "lost rank 2" in text, text
+            assert "Join(on_rank_lost='continue') could not go on without it (TimeoutError: " in text, text
+            assert "or pass Join(on_rank_lost='continue')" not in text, text
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_survivors_whose_recovery_fails_are_not_told_to_pass_continue() -> None:
+    # The verdict's own advice ("or pass Join(on_rank_lost='continue') to go on without it")
+    # reached survivors that had passed it and failed to go on.
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_recovery_times_out, 3, timeout=90)
+    assert list(failed.value.failures) == [2], str(failed.value)
 
 
 def _uneven_with_losses(

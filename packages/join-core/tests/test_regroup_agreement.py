@@ -44,6 +44,16 @@ def test_a_survivor_still_beating_is_waited_for_then_named() -> None:
         _agree(HashStore(), 0, [0, 2], {2: 0.1})
 
 
+def test_a_survivor_arriving_after_another_gave_up_fails_too_instead_of_counting_it_in() -> None:
+    # Rank 0 waited in vain for rank 2 and leaves; its arrival stays in the store. Rank 2, late,
+    # made a record with rank 0 in it, and then waited for it to build the new group.
+    store = HashStore()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[2\] still beat"):
+        _agree(store, 0, [0, 2], {2: 0.1})
+    with pytest.raises(TimeoutError, match=r"the survivors' agreement within 2 s"):
+        _agree(store, 2, [0, 2], {})
+
+
 def test_a_rank_the_record_leaves_out_is_fenced() -> None:
     store = HashStore()
     store.set(

@@ -186,6 +186,9 @@ class Join:
         self._iterations = 0  # notify_join_context calls of the first joinable
         self._entered_hooks: list[JoinHook] = []
         self._done = False  # an early termination or abort was already agreed on
+        # Set when this rank gives up going on without a lost rank: the other survivors may
+        # still be recovering, so it leaves as a failed rank (they then name it, not wait).
+        self._gave_up: BaseException | None = None
         self._entered = False
         check_watch_timeouts("Join", liveness_timeout, hang_timeout)
         self._liveness_timeout = liveness_timeout
@@ -279,6 +282,7 @@ class Join:
             self._leave(untold)
 
     def _leave(self, untold: BaseException | None = None) -> None:
+        untold = untold or self._gave_up
         try:
             if self._liveness is not None:
                 self._liveness.stop(None if untold is None else _describe_failure(untold))
@@ -472,8 +476,16 @@ class Join:
             verdict = self._liveness.wait_for_failure()
         stuck = _cannot_go_on(self._joinables, self._hooks)
         # (type, not isinstance: a removed rank's own RankRemovedError stays as it is)
-        if type(verdict) is RankLostError and self._on_rank_lost == "continue" and stuck:
-            raise RankLostError(verdict.ranks, detail=self._stuck_detail(stuck)) from failure
+        if type(verdict) is RankLostError and self._on_rank_lost == "continue":
+            if stuck:
+                raise RankLostError(verdict.ranks, detail=self._stuck_detail(stuck)) from failure
+            if verdict is not failure:  # the survivors' recovery failed (their agreement, their group)
+                self._gave_up = RankLostError(
+                    verdict.ranks,
+                    detail=f"Join(on_rank_lost='continue') could not go on without it "
+                    f"({_describe_failure(failure)}); destroy the process group and restart the job",
+                )
+                raise self._gave_up from failure
         if verdict is failure:
             return True  # already the verdict (a collective's wait raised it)
         if verdict is not None:

@@ -143,10 +143,14 @@ def agree(
             store.compare_set(record_key, "", proposal)
             break
         if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"Join(on_rank_lost='continue'): rank(s) {missing} still beat but did not reach the "
-                f"survivors' agreement within {wait.total_seconds():.0f} s (stuck outside a collective?)"
+            # The agreement fails for every survivor, as one record: a survivor arriving later
+            # must not take this rank (which leaves) for a member of the new group.
+            reason = (
+                f"rank(s) {missing} still beat but did not reach the survivors' agreement within "
+                f"{wait.total_seconds():.0f} s (stuck outside a collective?)"
             )
+            store.compare_set(record_key, "", json.dumps({"failed": reason}))
+            break
         time.sleep(poll)
     agreement = _parse_record(store.get(record_key), expected)
     if me not in agreement.members:
@@ -161,7 +165,7 @@ def removed_at(store: Store, prefix: str) -> int | None:
         return None
     try:
         return max(_parse_record(store.get(key), None).iterations, default=None)
-    except ValueError:
+    except (ValueError, TimeoutError):  # malformed, or the agreement failed
         return None
 
 
@@ -189,11 +193,17 @@ def _parse_place(raw: bytes) -> tuple[int, int, int]:
 
 
 def _parse_record(raw: bytes, expected: list[int] | None) -> _Agreement:
-    """The agreement record, checked: bounded, integers only, members among ``expected``."""
+    """The agreement record, checked: bounded, integers only, members among ``expected``.
+
+    Raises:
+        TimeoutError: the record says the agreement failed (a survivor gave up waiting).
+    """
     if len(raw) > _MAX_RECORD_BYTES:
         raise ValueError("Join: the survivors' agreement record in the store is too large")
     try:
         parsed = json.loads(raw)
+        if isinstance(parsed, dict) and "failed" in parsed:
+            raise TimeoutError(f"Join(on_rank_lost='continue'): {str(parsed['failed'])[:300]}")
         members = tuple(int(rank) for rank in parsed["members"])
         positions = tuple(int(value) for value in parsed["positions"])
         iterations = tuple(int(value) for value in parsed["iterations"])
