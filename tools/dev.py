@@ -233,6 +233,35 @@ def ensure(name: str) -> Path:
         sys.exit(str(error))
 
 
+def ensure_all(names: list[str]) -> None:
+    """:func:`ensure` every environment of ``names``, side by side (each pip install mostly
+    runs on one core, and those over another wait for it); exits as :func:`ensure` does."""
+    envs = environments()
+
+    def bases(name: str) -> list[str]:
+        over = envs[name].over
+        return [base for under in over for base in bases(under)] if over else [name]
+
+    for base in dict.fromkeys(base for name in names for base in bases(name)):
+        ensure(base)  # first, alone: a failure is told once, not by every environment over it
+    failures: list[EnvSetupError] = []
+
+    def make(name: str) -> None:
+        try:
+            try_ensure(name)
+        except EnvSetupError as error:
+            failures.append(error)
+
+    threads = [threading.Thread(target=make, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        print(failures[0].output)
+        sys.exit(str(failures[0]))
+
+
 def try_ensure(name: str) -> Path:
     """As :func:`ensure`, but raise :class:`EnvSetupError` if pip fails."""
     envs = environments()
@@ -647,8 +676,7 @@ def test(args: list[str]) -> int:
         return 2
     if TORCH:
         print(f"torch {TORCH} (DEV_TORCH), environments in {VENVS.relative_to(ROOT)}", flush=True)
-    for name in dict.fromkeys(s.env for s in chosen if s.env):  # set up first, a line per step
-        ensure(name)
+    ensure_all(list(dict.fromkeys(s.env for s in chosen if s.env)))  # set up first
     lanes: dict[str, list[Step]] = {}
     for step in chosen:
         lanes.setdefault("serial" if serial else lane_of(step), []).append(step)

@@ -30,6 +30,55 @@ def test_unit_environment_holds_the_package_and_the_siblings_it_declares() -> No
     assert all(e.over[:1] == ("torch",) for name, e in envs.items() if name != "torch")
 
 
+def test_environments_over_one_base_are_made_side_by_side_after_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    envs = {
+        "base": dev.Env("base", (), ()),
+        "a": dev.Env("a", ("base",), ()),
+        "b": dev.Env("b", ("base",), ()),
+    }
+    made: list[tuple[str, float, float]] = []
+
+    def make(env: dev.Env, known: dict[str, dev.Env]) -> Path:
+        if any(name == env.name for name, _, _ in made):
+            return tmp_path / env.name  # up to date, as its stamp would say
+        start = time.monotonic()
+        time.sleep(0.5)
+        made.append((env.name, start, time.monotonic()))
+        return tmp_path / env.name
+
+    monkeypatch.setattr(dev, "environments", lambda: envs)
+    monkeypatch.setattr(dev, "_make", make)
+    dev.ensure_all(["a", "b"])
+    spans = {name: (start, end) for name, start, end in made}
+    assert sorted(name for name, _, _ in made) == ["a", "b", "base"]  # the base once
+    assert min(spans["a"][0], spans["b"][0]) >= spans["base"][1]
+    assert spans["a"][0] < spans["b"][1] and spans["b"][0] < spans["a"][1]  # a and b overlap
+
+
+def test_a_base_environment_that_fails_is_told_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    envs = {
+        "base": dev.Env("base", (), ()),
+        "a": dev.Env("a", ("base",), ()),
+        "b": dev.Env("b", ("base",), ()),
+    }
+    tries: list[str] = []
+
+    def make(env: dev.Env, known: dict[str, dev.Env]) -> Path:
+        tries.append(env.name)
+        raise dev.EnvSetupError(f"[env] {env.name}: pip install failed", "pip said no")
+
+    monkeypatch.setattr(dev, "environments", lambda: envs)
+    monkeypatch.setattr(dev, "_make", make)
+    with pytest.raises(SystemExit, match="base: pip install failed"):
+        dev.ensure_all(["a", "b"])
+    assert tries == ["base"]
+    assert capsys.readouterr().out.count("pip said no") == 1
+
+
 def test_tally_sums_counts_and_keeps_skip_reasons() -> None:
     tally = dev.Tally()
     tally.add(PYTEST_OUTPUT)
