@@ -7,6 +7,8 @@ when ranks have different numbers of batches. :class:`UnevenDistributedSampler` 
 padding nor duplicates, for exact evaluation under Join.
 """
 
+from typing import TYPE_CHECKING
+
 from ddp_join.comm_hooks import (
     CommHook,
     GradBucket,
@@ -17,10 +19,25 @@ from ddp_join.comm_hooks import (
     fp16_compress_wrapper,
 )
 from ddp_join.distributed import DistributedDataParallel, MixedPrecisionConfig
-from ddp_join.fsdp import FSDPJoinable
 from ddp_join.sampler import UnevenDistributedSampler
 from ddp_join.zero import ZeroRedundancyOptimizer
 from ddp_join.zero_hook import hook_with_zero_step
+
+if TYPE_CHECKING:
+    from ddp_join.fsdp import FSDPJoinable
+else:
+
+    def __getattr__(name: str) -> object:
+        # FSDPJoinable brings FSDP2 and DTensor (a second of CPU to import): only when asked for.
+        if name == "FSDPJoinable":
+            from ddp_join.fsdp import FSDPJoinable
+
+            return FSDPJoinable
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})
+
 
 __version__ = "0.2.0"
 """This distribution's version (see CHANGELOG.md)."""
