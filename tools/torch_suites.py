@@ -328,7 +328,12 @@ def _preload() -> None:
         importlib.import_module(suite_module(suite))
 
 
-if __name__ == "__mp_main__":  # the forkserver imports this module so: preload there
+#: The name the fork server imports this module by, to preload there (``Pool``): not
+#: "__main__", which Python 3.11's fork server skips (it never finds the main module's path);
+#: and it ignores the sys.path it is given, so ``Pool`` puts this folder on PYTHONPATH.
+PRELOAD_NAME: Final = Path(__file__).stem
+
+if __name__ == PRELOAD_NAME:
     _preload()
 
 
@@ -355,6 +360,10 @@ class Pool:
 
     def __init__(self, world_size: int = WORLD_SIZE) -> None:
         ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([PRELOAD_NAME])
+        here = str(Path(__file__).resolve().parent)
+        if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
         self.world_size = world_size
         self.conns: list[Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
