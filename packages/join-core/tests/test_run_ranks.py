@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,3 +54,34 @@ def test_ranks_start_with_what_a_first_optimizer_imports_already_loaded() -> Non
         assert compiler_loaded, (
             f"the first optimizer imported torch's compiler in the rank ({seconds:.2f} s of CPU)"
         )
+
+
+_RANKS_OF_A_MODULE_ON_SYS_PATH = """
+import os, sys
+sys.path.insert(0, sys.argv[1])  # as pytest puts a test's folder there, not in PYTHONPATH
+import ranks_module
+from join_core.testing import run_ranks
+print(run_ranks(ranks_module.imported_by_this_rank, 2, timeout=90))
+"""
+
+
+def test_ranks_fork_with_the_module_of_their_function_imported_even_when_only_sys_path_finds_it(
+    tmp_path: Path,
+) -> None:
+    # Every rank imported it again (with what it imports: Lightning costs a second of CPU).
+    (tmp_path / "ranks_module.py").write_text(
+        "import os\n"
+        "IMPORTED_BY = os.getpid()\n"
+        "def imported_by_this_rank(rank: int, world_size: int) -> bool:\n"
+        "    return IMPORTED_BY == os.getpid()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    ran = subprocess.run(
+        [sys.executable, "-c", _RANKS_OF_A_MODULE_ON_SYS_PATH, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split("\n")[-2] == "[False, False]"
