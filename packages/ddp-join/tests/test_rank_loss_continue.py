@@ -190,6 +190,42 @@ def test_survivors_whose_recovery_fails_are_not_told_to_pass_continue() -> None:
     assert list(failed.value.failures) == [2], str(failed.value)
 
 
+def _survivor_dies_building_the_group(rank: int, world_size: int) -> str:
+    """Rank 2 is killed; rank 1 dies after the survivors agreed, as they build their group."""
+    import join_core.join
+
+    def die(members: tuple[int, ...], like: dist.ProcessGroup) -> dist.ProcessGroup:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+    if rank == 1:
+        join_core.join.build_group = die  # type: ignore[attr-defined]
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with Join([model], on_rank_lost="continue", liveness_timeout=LIVENESS):
+            for step in range(STEPS):
+                optimizer.zero_grad()
+                loss = loss_fn(model, *batch(rank, step))
+                if step == LOST_AT and rank == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                loss.backward()
+                optimizer.step()
+    except RankLostError as error:
+        text = str(error)
+        assert "could not go on without it (TimeoutError: rank(s) [1] fell silent" in text, text
+        return "RankLostError"
+    return "no error"
+
+
+def test_a_survivor_dying_as_the_survivors_build_their_group_fails_the_others_in_seconds() -> None:
+    # The others waited for it in new_group for the process group's timeout (here the test's 90 s;
+    # by default 30 minutes).
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_survivor_dies_building_the_group, 3, timeout=90)
+    assert sorted(failed.value.failures) == [1, 2], str(failed.value)
+
+
 def _uneven_with_losses(
     rank: int,
     world_size: int,

@@ -420,7 +420,7 @@ class Join:
             if rank not in agreement.members:  # fell silent during the agreement
                 lost[rank] = "its heartbeat stopped while the survivors agreed on who goes on"
         iteration = max(agreement.iterations)  # a joined rank counts no more iterations
-        group = build_group(agreement.members, self._group)
+        group = self._build_group_watched(agreement.members, watch, watched)
         logger.warning(
             "Join: rank %d goes on without rank(s) %s from iteration %d, on a group of %d",
             me,
@@ -450,6 +450,42 @@ class Join:
             hook.regroup_hook(recovery, first)
             first += hook.regroup_phases
         return recovery
+
+    def _build_group_watched(
+        self, members: tuple[int, ...], watch: LivenessWatchdog, watched: dict[int, int]
+    ) -> dist.ProcessGroup:
+        """:func:`build_group`, given up when a member falls silent meanwhile (one that died
+        after the agreement): ``new_group`` would wait for it the process group's timeout.
+
+        Raises:
+            TimeoutError: a member's heartbeat stopped for the liveness timeout.
+        """
+        built: list[dist.ProcessGroup] = []
+        failed: list[BaseException] = []
+
+        def build() -> None:
+            try:
+                built.append(build_group(members, self._group))
+            except BaseException as error:  # noqa: BLE001 - raised by the caller
+                failed.append(error)
+
+        # A daemon: left blocked in new_group when a member is gone, it must not hold the exit.
+        thread = threading.Thread(target=build, name="join-core-build-group", daemon=True)
+        thread.start()
+        assert self._liveness_timeout is not None  # a watch runs
+        limit = self._liveness_timeout.total_seconds()
+        me = self._members[self._rank]
+        while thread.is_alive():
+            thread.join(_AGREEMENT_POLL_S)
+            silent = [m for m in members if m != me and (watch.quiet_for(watched[m]) or 0.0) > limit]
+            if silent and thread.is_alive():
+                raise TimeoutError(
+                    f"rank(s) {silent} fell silent while the survivors built their process group "
+                    f"(no heartbeat for {limit:g} s)"
+                )
+        if failed:
+            raise failed[0]
+        return built[0]
 
     def _start_watch(self, group: dist.ProcessGroup) -> LivenessWatchdog:
         assert self._liveness_timeout is not None
