@@ -154,6 +154,10 @@ def _rank_main(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
+        # fn runs once every rank is past its init: a rank done at once (and gone) reset the
+        # connections of one still in gloo's init, which failed instead of running fn.
+        store.set(f"run_ranks/initialized/{rank}", "")
+        store.wait([f"run_ranks/initialized/{other}" for other in range(world_size)])
         try:
             value = fn(rank, world_size, *args)
         finally:
