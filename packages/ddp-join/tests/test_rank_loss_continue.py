@@ -215,7 +215,7 @@ def _survivor_dies_building_the_group(rank: int, world_size: int) -> str:
         text = str(error)
         assert "could not go on without it (TimeoutError: rank(s) [1] fell silent" in text, text
         return "RankLostError"
-    return "no error"
+    raise AssertionError(f"rank {rank} went on without rank 1")
 
 
 def test_a_survivor_dying_as_the_survivors_build_their_group_fails_the_others_in_seconds() -> None:
@@ -224,6 +224,48 @@ def test_a_survivor_dying_as_the_survivors_build_their_group_fails_the_others_in
     with pytest.raises(RanksFailedError) as failed:
         run_ranks(_survivor_dies_building_the_group, 3, timeout=90)
     assert sorted(failed.value.failures) == [1, 2], str(failed.value)
+
+
+def _survivor_frozen_building_the_group(rank: int, world_size: int) -> str:
+    """Rank 2 is killed; rank 1 freezes as the survivors build their group (longer than the
+    liveness timeout) and wakes as rank 0 has given up on it."""
+    import subprocess
+
+    import join_core.join
+
+    build = join_core.join.build_group  # type: ignore[attr-defined]
+
+    def freeze_then_build(members: tuple[int, ...], like: dist.ProcessGroup) -> dist.ProcessGroup:
+        wake_in = 3 * LIVENESS.total_seconds()
+        subprocess.Popen(["sh", "-c", f"sleep {wake_in}; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return build(members, like)  # rank 0's abandoned thread still waits in new_group
+
+    if rank == 1:
+        join_core.join.build_group = freeze_then_build  # type: ignore[attr-defined]
+    model = DistributedDataParallel(make_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with Join([model], on_rank_lost="continue", liveness_timeout=LIVENESS):
+            for step in range(STEPS):
+                optimizer.zero_grad()
+                loss = loss_fn(model, *batch(rank, step))
+                if step == LOST_AT and rank == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                loss.backward()
+                optimizer.step()
+    except RankLostError as error:
+        text = str(error)
+        assert "could not go on without it (TimeoutError: rank(s) [1] fell silent" in text, text
+        return "RankLostError"
+    raise AssertionError(f"rank {rank} went on")
+
+
+def test_a_survivor_that_gives_up_building_the_group_is_followed_by_the_one_it_gave_up_on() -> None:
+    # Rank 1, woken, built its group with rank 0's abandoned attempt and went on alone.
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_survivor_frozen_building_the_group, 3, timeout=90)
+    assert list(failed.value.failures) == [2], str(failed.value)
 
 
 def _uneven_with_losses(

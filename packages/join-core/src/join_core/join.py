@@ -404,9 +404,10 @@ class Join:
         me = self._members[self._rank]
         watched = {member: index for index, member in enumerate(self._members)}
         assert self._liveness_timeout is not None  # a watch runs
+        prefix = f"{self._regroup_prefix}{_lost_key(set(lost))}/"
         agreement = agree(
             watch.store(),
-            f"{self._regroup_prefix}{_lost_key(set(lost))}/",
+            prefix,
             me,
             expected,
             position,
@@ -420,7 +421,7 @@ class Join:
             if rank not in agreement.members:  # fell silent during the agreement
                 lost[rank] = "its heartbeat stopped while the survivors agreed on who goes on"
         iteration = max(agreement.iterations)  # a joined rank counts no more iterations
-        group = self._build_group_watched(agreement.members, watch, watched)
+        group = self._build_group_watched(agreement.members, watch, watched, f"{prefix}build-failed")
         logger.warning(
             "Join: rank %d goes on without rank(s) %s from iteration %d, on a group of %d",
             me,
@@ -452,10 +453,12 @@ class Join:
         return recovery
 
     def _build_group_watched(
-        self, members: tuple[int, ...], watch: LivenessWatchdog, watched: dict[int, int]
+        self, members: tuple[int, ...], watch: LivenessWatchdog, watched: dict[int, int], failed_key: str
     ) -> dist.ProcessGroup:
         """:func:`build_group`, given up when a member falls silent meanwhile (one that died
         after the agreement): ``new_group`` would wait for it the process group's timeout.
+        A survivor that gives up says so under ``failed_key``: the others give up too, even
+        one whose group was built a moment before (it would wait for this one in it).
 
         Raises:
             TimeoutError: a member's heartbeat stopped for the liveness timeout.
@@ -469,20 +472,28 @@ class Join:
             except BaseException as error:  # noqa: BLE001 - raised by the caller
                 failed.append(error)
 
-        # A daemon: left blocked in new_group when a member is gone, it must not hold the exit.
+        # A daemon: left blocked in new_group when a member is gone, it must not hold the exit
+        # (Join's exit grace ends the process without waiting for it).
         thread = threading.Thread(target=build, name="join-core-build-group", daemon=True)
         thread.start()
         assert self._liveness_timeout is not None  # a watch runs
         limit = self._liveness_timeout.total_seconds()
         me = self._members[self._rank]
-        while thread.is_alive():
+        store = watch.store()
+        while True:
             thread.join(_AGREEMENT_POLL_S)
+            if store.check([failed_key]):
+                raise TimeoutError(store.get(failed_key).decode("utf-8", "replace")[:300])
+            if not thread.is_alive():
+                break
             silent = [m for m in members if m != me and (watch.quiet_for(watched[m]) or 0.0) > limit]
-            if silent and thread.is_alive():
-                raise TimeoutError(
+            if silent:
+                reason = (
                     f"rank(s) {silent} fell silent while the survivors built their process group "
                     f"(no heartbeat for {limit:g} s)"
                 )
+                store.set(failed_key, reason)
+                raise TimeoutError(reason)
         if failed:
             raise failed[0]
         return built[0]
