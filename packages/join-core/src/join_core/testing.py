@@ -114,7 +114,7 @@ def _import_root(module: str) -> str | None:
     file = getattr(sys.modules.get(module), "__file__", None)
     if file is None:
         return None
-    path = Path(file).resolve()
+    path = Path(os.path.abspath(file))  # not resolved: a symlinked package is found by its link
     return str(path.parents[module.count(".") + (path.name == "__init__.py")])
 
 
