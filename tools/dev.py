@@ -244,12 +244,12 @@ def ensure_all(names: list[str]) -> None:
 
     for base in dict.fromkeys(base for name in names for base in bases(name)):
         ensure(base)  # first, alone: a failure is told once, not by every environment over it
-    failures: list[EnvSetupError] = []
+    failures: list[BaseException] = []
 
     def make(name: str) -> None:
         try:
             try_ensure(name)
-        except EnvSetupError as error:
+        except BaseException as error:  # noqa: BLE001 - raised below, in the calling thread
             failures.append(error)
 
     threads = [threading.Thread(target=make, args=(name,)) for name in names]
@@ -258,8 +258,10 @@ def ensure_all(names: list[str]) -> None:
     for thread in threads:
         thread.join()
     if failures:
-        print(failures[0].output)
-        sys.exit(str(failures[0]))
+        if isinstance(failures[0], EnvSetupError):
+            print(failures[0].output)
+            sys.exit(str(failures[0]))
+        raise failures[0]
 
 
 def try_ensure(name: str) -> Path:

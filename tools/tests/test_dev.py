@@ -79,6 +79,22 @@ def test_a_base_environment_that_fails_is_told_once(
     assert capsys.readouterr().out.count("pip said no") == 1
 
 
+def test_any_error_making_an_environment_on_a_thread_reaches_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    envs = {"base": dev.Env("base", (), ()), "a": dev.Env("a", ("base",), ())}
+
+    def make(env: dev.Env, known: dict[str, dev.Env]) -> Path:
+        if env.name == "a":
+            raise OSError("no space left on device")
+        return Path(env.name)
+
+    monkeypatch.setattr(dev, "environments", lambda: envs)
+    monkeypatch.setattr(dev, "_make", make)
+    with pytest.raises(OSError, match="no space left"):
+        dev.ensure_all(["a"])
+
+
 def test_tally_sums_counts_and_keeps_skip_reasons() -> None:
     tally = dev.Tally()
     tally.add(PYTEST_OUTPUT)
