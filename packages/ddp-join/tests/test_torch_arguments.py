@@ -227,6 +227,29 @@ def test_broadcast_buffers_attribute_reads_and_sets_forward_sync_buffers_as_torc
     assert first["after_forward"] != second["after_forward"]
 
 
+_SIZE_ATTRIBUTES = (
+    "bucket_bytes_cap",
+    "bucket_bytes_cap_list",
+    "bucket_bytes_cap_default",
+    "broadcast_bucket_size",
+)
+
+
+def _size_attributes(rank: int, world_size: int) -> list[tuple[object, object]]:
+    found = []
+    for kwargs in ({}, {"bucket_cap_mb": 5}, {"bucket_cap_mb": 0.5}, {"bucket_cap_mb_list": [1, 3, 2]}):
+        ours = DistributedDataParallel(torch.nn.Linear(4, 2), **kwargs)
+        theirs = TorchDDP(torch.nn.Linear(4, 2), **kwargs)
+        found += [(getattr(ours, name), getattr(theirs, name)) for name in _SIZE_ATTRIBUTES]
+    return found
+
+
+def test_bucket_size_attributes_are_torchs() -> None:
+    # Code written for torch's wrapper reads them (e.g. to size its own buckets); ours had none.
+    (found,) = run_ranks(_size_attributes, 1)
+    assert [ours for ours, _ in found] == [theirs for _, theirs in found]
+
+
 class _Checkpointed(torch.nn.Module):
     """Reentrant activation checkpointing of a layer used twice, and a
     parameter no forward uses."""

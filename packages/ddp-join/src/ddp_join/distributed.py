@@ -235,6 +235,15 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self.output_device = output_device
         self.dim = dim
         caps = _bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        # torch's bucket sizes, for code written against its wrapper (ours buckets by ``caps``).
+        self.bucket_bytes_cap: int = max(caps) if bucket_cap_mb_list is not None else caps[-1]
+        """The bucket size in bytes (the largest of ``bucket_cap_mb_list``), as torch's."""
+        self.bucket_bytes_cap_list: list[int] = list(caps) if bucket_cap_mb_list is not None else []
+        """Each bucket's size in bytes, from ``bucket_cap_mb_list`` (else empty), as torch's."""
+        self.bucket_bytes_cap_default: bool = bucket_cap_mb is None and bucket_cap_mb_list is None
+        """Whether the default sizes apply (a small first bucket, then 25 MiB), as torch's."""
+        self.broadcast_bucket_size: int = 250 * 1024 * 1024
+        """The size of the chunks torch broadcasts parameters in (250 MiB), as torch's."""
         if broadcast_buffers is not None:
             warnings.warn(
                 "DistributedDataParallel(broadcast_buffers=...) is deprecated, as in torch: use "
