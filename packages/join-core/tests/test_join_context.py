@@ -244,6 +244,27 @@ def test_joinables_with_different_process_groups_are_refused() -> None:
     assert run_ranks(_process_groups, 2) == ["Using join context manager with multiple process groups"] * 2
 
 
+def _none_and_world(rank: int, world_size: int) -> list[float]:
+    class OnTheDefaultGroup:
+        """A joinable without collectives, on None: the default group, as torch's may say."""
+
+        join_device = torch.device("cpu")
+        join_process_group = None
+
+        def join_hook(self, **kwargs: Any) -> JoinHook:
+            return JoinHook()
+
+    world = CountingJoinable(False)
+    with Join([world, OnTheDefaultGroup()]):
+        for _ in range(2 + rank):
+            world.step(1.0)
+    return world.sums
+
+
+def test_joinables_on_none_and_on_the_world_are_one_group() -> None:
+    assert run_ranks(_none_and_world, 2) == [[2.0, 2.0, 1.0]] * 2
+
+
 def test_empty_joinables_are_refused() -> None:
     with pytest.raises(ValueError, match="at least one joinable"):
         Join([])

@@ -170,15 +170,14 @@ class Join:
         self._hooks = [joinable.join_hook(**kwargs) for joinable in self._joinables]
         self._enable = enable
         self._throw_on_early_termination = throw_on_early_termination
-        group = self._joinables[0].join_process_group
-        for joinable in self._joinables[1:]:
-            if joinable.join_process_group != group:
-                raise ValueError("Using join context manager with multiple process groups")
         # None (torch's joinables may return dist.group.WORLD, typed Optional): the default group.
-        self._group: dist.ProcessGroup = group if group is not None else _default_group()
+        groups = [_group_of(joinable) for joinable in self._joinables]
+        if any(group != groups[0] for group in groups[1:]):
+            raise ValueError("Using join context manager with multiple process groups")
+        self._group: dist.ProcessGroup = groups[0]
         self._device = self._joinables[0].join_device
-        self._rank = dist.get_rank(group)
-        self._world_size = dist.get_world_size(group)
+        self._rank = dist.get_rank(self._group)
+        self._world_size = dist.get_world_size(self._group)
         self._fused = self._hooks[0].carries_heartbeat
         self._state = _State.TRAINING
         self._last_total: float | None = None  # the latest heartbeat seen by this rank
@@ -781,6 +780,11 @@ def _wait(work: dist.Work, timeout: timedelta | None, what: str) -> None:
         raise TimeoutError(
             f"Join: timed out after {timeout.total_seconds():.0f} s waiting for {what}"
         ) from error
+
+
+def _group_of(joinable: Joinable) -> dist.ProcessGroup:
+    group: dist.ProcessGroup | None = joinable.join_process_group
+    return group if group is not None else _default_group()
 
 
 def _default_group() -> dist.ProcessGroup:
