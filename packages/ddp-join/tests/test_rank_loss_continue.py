@@ -214,6 +214,7 @@ def _survivor_dies_building_the_group(rank: int, world_size: int) -> str:
     except RankLostError as error:
         text = str(error)
         assert "could not go on without it (TimeoutError: rank(s) [1] fell silent" in text, text
+        assert sorted(error.ranks) == [1, 2], error.ranks  # the killed rank and the one that died later
         return "RankLostError"
     raise AssertionError(f"rank {rank} went on without rank 1")
 
@@ -257,6 +258,8 @@ def _survivor_frozen_building_the_group(rank: int, world_size: int) -> str:
     except RankLostError as error:
         text = str(error)
         assert "could not go on without it (TimeoutError: rank(s) [1] fell silent" in text, text
+        # Rank 0 names the one it gave up on; that one (woken) names only the killed rank.
+        assert sorted(error.ranks) == ([1, 2] if rank == 0 else [2]), error.ranks
         return "RankLostError"
     raise AssertionError(f"rank {rank} went on")
 

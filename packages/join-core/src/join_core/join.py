@@ -482,17 +482,18 @@ class Join:
         while True:
             thread.join(_AGREEMENT_POLL_S)
             if store.check([failed_key]):
-                raise TimeoutError(store.get(failed_key).decode("utf-8", "replace")[:300])
+                raise _SurvivorsSilent.read(store.get(failed_key), members)
             if not thread.is_alive():
                 break
             silent = [m for m in members if m != me and (watch.quiet_for(watched[m]) or 0.0) > limit]
             if silent:
-                reason = (
+                given_up = _SurvivorsSilent(
+                    silent,
                     f"rank(s) {silent} fell silent while the survivors built their process group "
-                    f"(no heartbeat for {limit:g} s)"
+                    f"(no heartbeat for {limit:g} s)",
                 )
-                store.set(failed_key, reason)
-                raise TimeoutError(reason)
+                store.set(failed_key, given_up.encode())
+                raise given_up
         if failed:
             raise failed[0]
         return built[0]
@@ -526,8 +527,14 @@ class Join:
             if stuck:
                 raise RankLostError(verdict.ranks, detail=self._stuck_detail(stuck)) from failure
             if verdict is not failure:  # the survivors' recovery failed (their agreement, their group)
+                ranks = dict(verdict.ranks)
+                if isinstance(failure, _SurvivorsSilent):
+                    me = self._members[self._rank]
+                    for member in failure.members:
+                        if member != me and member in self._members:
+                            ranks.setdefault(self._members.index(member), _SILENT_BUILDING)
                 self._gave_up = RankLostError(
-                    verdict.ranks,
+                    ranks,
                     detail=f"Join(on_rank_lost='continue') could not go on without it "
                     f"({_describe_failure(failure)}); destroy the process group and restart the job",
                 )
@@ -782,6 +789,29 @@ def _wait(work: dist.Work, timeout: timedelta | None, what: str) -> None:
         ) from error
 
 
+_SILENT_BUILDING: Final = "its heartbeat stopped while the survivors built their process group"
+
+
+class _SurvivorsSilent(TimeoutError):
+    """The survivors gave up building their group: ``members`` (global ranks) fell silent."""
+
+    def __init__(self, members: list[int], reason: str) -> None:
+        super().__init__(reason)
+        self.members = members
+
+    def encode(self) -> str:
+        """As the others read it from the store: the ranks on the first line, then why."""
+        return f"{','.join(map(str, self.members))}\n{self}"
+
+    @classmethod
+    def read(cls, value: bytes, members: tuple[int, ...]) -> _SurvivorsSilent:
+        """What another survivor wrote (anyone can write to the store: only ranks among
+        ``members`` are taken, and the reason is cut short)."""
+        ranks, _, reason = value[:4096].decode("utf-8", "replace").partition("\n")
+        silent = [int(rank) for rank in ranks.split(",") if rank.isdecimal() and int(rank) in members]
+        return cls(silent, reason[:300])
+
+
 def _group_of(joinable: Joinable) -> dist.ProcessGroup:
     group: dist.ProcessGroup | None = joinable.join_process_group
     return group if group is not None else _default_group()
@@ -840,8 +870,10 @@ def _lost_key(lost: set[int]) -> str:
 
 
 def _describe_failure(exc: BaseException) -> str:
-    """``"ValueError: message"``, as the other ranks are told of it."""
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """``"ValueError: message"``, as the other ranks are told of it (a private error by its
+    public base's name)."""
+    name = next(cls.__name__ for cls in type(exc).__mro__ if not cls.__name__.startswith("_"))
+    return f"{name}: {exc}" if str(exc) else name
 
 
 def _raised_on_every_rank(exc: BaseException) -> bool:
