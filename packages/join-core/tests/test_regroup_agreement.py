@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from join_core import RankLostError, RankRemovedError
+from join_core.join import _SurvivorsSilent
 from join_core.regroup import agree
 
 HashStore: Any = dist.HashStore  # type: ignore[attr-defined]
@@ -91,3 +92,13 @@ def test_a_malformed_record_is_refused(record: bytes) -> None:
     store.set("p/record", record)
     with pytest.raises(ValueError, match="agreement"):
         _agree(store, 0, [0, 1], {})
+
+
+def test_a_build_failure_read_from_the_store_names_only_members_and_is_cut_short() -> None:
+    written = _SurvivorsSilent([1, 3], "rank(s) [1, 3] fell silent")
+    read = _SurvivorsSilent.read(written.encode().encode(), (0, 1, 2, 3))
+    assert (read.members, str(read)) == ([1, 3], "rank(s) [1, 3] fell silent")
+    # Anyone can write to the store: ranks outside the group, garbage and a long text are dropped.
+    forged = _SurvivorsSilent.read(b"1,x,99,-2,,\xff\n" + b"y" * 10_000, (0, 1, 2))
+    assert (forged.members, len(str(forged))) == ([1], 300)
+    assert _SurvivorsSilent.read(b"9" * 100_000, (0, 1)).members == []
