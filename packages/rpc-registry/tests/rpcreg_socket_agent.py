@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -328,6 +329,34 @@ class Tracked:
 
 def make_tracked(value: int) -> Tracked:
     return Tracked(value)
+
+
+_ARRIVAL_GATE = threading.Event()
+
+
+class SlowToArrive:
+    """An argument that arrives on a worker once :func:`let_arrive` runs there: a stand-in for a
+    large one (after 10 s without it, it arrives as -1)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Callable[[int], SlowToArrive], tuple[int]]:
+        return _arrive, (self.value,)
+
+
+def _arrive(value: int) -> SlowToArrive:
+    let = _ARRIVAL_GATE.wait(10)
+    _ARRIVAL_GATE.clear()
+    return SlowToArrive(value if let else -1)
+
+
+def let_arrive() -> None:
+    _ARRIVAL_GATE.set()
+
+
+def tracked_of(arrived: SlowToArrive) -> Tracked:
+    return Tracked(arrived.value)
 
 
 def live_tracked() -> int:

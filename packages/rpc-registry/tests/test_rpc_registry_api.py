@@ -15,12 +15,14 @@ from typing import Any, cast
 import pytest
 import torch
 from rpcreg_socket_agent import (
+    SlowToArrive,
     SocketOptions,
     Tracked,
     add_one_on,
     drop_held,
     fetch_held,
     hold,
+    let_arrive,
     live_tracked,
     local_value_if_owner,
     make_tracked,
@@ -30,6 +32,7 @@ from rpcreg_socket_agent import (
     sleep_then,
     socket_backend,
     tracked_copy_of,
+    tracked_of,
     value_via_to_here,
 )
 
@@ -310,6 +313,22 @@ def test_rref_proxies_call_methods_of_the_value_on_owner() -> None:
     assert rref.rpc_sync().add(2) == 7
     assert rref.rpc_async().get().wait() == 7
     assert rref.remote().get().to_here() == 7
+
+
+def test_rpc_async_proxy_returns_at_once_while_the_value_is_created() -> None:
+    # The proxy waited until the owner had the creation's arguments: here 10 s, after which the
+    # argument arrives as -1; a large one takes as long to arrive.
+    rref = remote("w1", tracked_of, args=(SlowToArrive(5),))
+    fut = rref.rpc_async().add(2)
+    rpc_sync("w2", rpc_sync, args=("w1", let_arrive))  # w0's connection to w1 waits for the argument
+    assert fut.wait() == 7
+
+
+def test_rpc_async_proxy_of_a_failed_creation_fails_its_future() -> None:
+    rref = remote("w1", raise_value_error, args=("no value",))
+    fut = rref.rpc_async().get()
+    with pytest.raises(ValueError, match="no value"):
+        fut.wait()
 
 
 def test_remote_proxy_of_a_missing_method_raises_attribute_error_at_the_call() -> None:

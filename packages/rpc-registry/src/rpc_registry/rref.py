@@ -510,7 +510,9 @@ class RRef(Generic[T_co]):
         return RRefProxy(self, "sync", timeout)
 
     def rpc_async(self, timeout: float = -1.0) -> RRefProxy:
-        """Proxy whose methods run ``rpc_async`` of the value's method on the owner."""
+        """Proxy whose methods run ``rpc_async`` of the value's method on the owner. A method
+        returns its future at once, also while the value is still being created: the call goes
+        out once it is (``timeout`` counting from the method's call)."""
         return RRefProxy(self, "async", timeout)
 
     def remote(self, timeout: float = -1.0) -> RRefProxy:
@@ -558,15 +560,46 @@ class RRefProxy:
         def call(*args: Any, **kwargs: Any) -> Any:
             runtime = rref._ctx.runtime
             seconds = runtime.resolve_timeout(timeout)
-            rref._wait_created(seconds)
             payload = (_invoke_rref_method, (rref, name, *args), kwargs)
+            if mode == "async":
+                return _once_created(
+                    rref, lambda left: runtime.request(rref._owner, ("call", *payload), left), seconds
+                )
+            rref._wait_created(seconds)
             if mode == "remote":
                 rref._check_attribute(name, seconds)
                 return runtime.remote(rref._owner, *payload, seconds)
-            fut = runtime.request(rref._owner, ("call", *payload), seconds)
-            return fut.wait() if mode == "sync" else fut
+            return runtime.request(rref._owner, ("call", *payload), seconds).wait()
 
         return call
+
+
+def _once_created(rref: RRef[Any], send: Callable[[float], Future[Any]], timeout: float) -> Future[Any]:
+    """The result of ``send(time left of timeout)``, called once ``rref`` is created on its owner
+    (a call must not overtake the creation), without waiting for that here; an error of the
+    creation is the result's. ``timeout`` counts from now (``0``: no limit)."""
+    created = rref._created
+    if created is None or created.done():
+        rref._wait_created(timeout)  # raises the creation's error
+        return send(timeout)
+    result: Future[Any] = Future()
+    deadline = time.monotonic() + timeout
+
+    def go(_: Future[Any]) -> None:
+        try:
+            created.wait()
+            left = deadline - time.monotonic()
+            if timeout > 0 and left <= 0:
+                raise TimeoutError(
+                    f"creation of {rref!r} on {rref._owner.name}: not done within {timeout:g} s; pass a "
+                    "larger timeout, or 0 for none"
+                )
+            send(left if timeout > 0 else 0.0).add_done_callback(lambda fut: copy_outcome(fut, result))
+        except Exception as error:  # noqa: BLE001 - the call's result carries it
+            fail(result, error)
+
+    created.add_done_callback(go)
+    return result
 
 
 def _guid(ids: tuple[int, int]) -> str:
