@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
@@ -95,6 +96,11 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     each other; the reduction ends in the pass that brings the last one.
     Sparse gradients (``Embedding(sparse=True)``) are reduced dense, and
     ``.grad`` is then dense.
+
+    Pickling (``torch.save(model)``) works as torch's: only over the default
+    process group; loading needs ``init_process_group`` called first, gives a
+    wrapper with the same arguments over the default group, broadcasts
+    nothing, and drops the communication hook.
 
     The arguments are torch's, in torch's order, with torch's defaults.
 
@@ -232,6 +238,18 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self.device_type: str = self.device.type
         self.device_ids: list[int | torch.device] | None
         self.device_ids = list(device_ids) if device_ids is not None else None
+        self.is_multi_device_module: bool = False
+        """Whether the module's parameters are on several devices: always False, as one device
+        is required (torch's attribute)."""
+        self.skip_all_reduce_unused_params: bool = skip_all_reduce_unused_params
+        """The constructor's argument (only False is supported), as torch's attribute."""
+        self.use_side_stream_for_tensor_copies: bool = (
+            os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
+        )
+        """torch's attribute: whether the environment variable ``PYTORCH_DDP_USE_SIDE_STREAM`` (default
+        ``"1"``) was ``"1"`` at construction. It has no effect here: torch copies inputs to the device
+        on a side stream with it; ours leaves inputs where they are, and ``to_kwargs()`` copies on the
+        current stream."""
         self.output_device = output_device
         self.dim = dim
         caps = _bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
@@ -268,7 +286,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.batched_grad_copy = batched_grad_copy
         self.mixed_precision = mixed_precision
-        reduce_dtype = _reduce_dtype(mixed_precision, params)
+        _reduce_dtype(mixed_precision, params)  # refused before the broadcast, on every rank alike
         #: False inside ``no_sync()``: gradients accumulate locally.
         self.require_backward_grad_sync: bool = True
         #: Whether forwards broadcast buffers (with ``forward_sync_buffers``).
@@ -280,19 +298,26 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         if init_sync:
             synced = self._synced_parameters() + (self._buffers_list if init_sync_buffers else [])
             self._broadcast_coalesced(synced, global_rank(group, 0), group)
-        self._reducer = Reducer(
+        self._reducer = self._build_reducer(group, static_graph)
+
+    # Construction.
+
+    def _build_reducer(self, group: dist.ProcessGroup, static_graph: bool) -> Reducer:
+        """A reducer of the module's synchronized parameters that require a gradient, over
+        ``group``, as the arguments and attributes say (at construction, and when unpickled)."""
+        params = [p for p in self._synced_parameters() if p.requires_grad]
+        arguments = self._copy_arguments
+        return Reducer(
             self,
             params,
             group,
             self.device,
-            caps,
-            reduce_dtype=reduce_dtype,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            find_unused_parameters=find_unused_parameters,
+            _bucket_caps(arguments["bucket_cap_mb"], arguments["bucket_cap_mb_list"]),
+            reduce_dtype=_reduce_dtype(self.mixed_precision, params),
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
             static_graph=static_graph,
         )
-
-    # Construction.
 
     @staticmethod
     def _check_device(
@@ -526,6 +551,17 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     def _synced_buffers(self) -> list[torch.Tensor]:
         return [b for name, b in self.module.named_buffers() if name not in self.parameters_to_ignore]
 
+    @property
+    def modules_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers that are broadcast (those not in :attr:`parameters_to_ignore`),
+        as the module holds them now (torch's attribute, which it refreshes at each broadcast)."""
+        return self._synced_buffers()
+
+    @property
+    def named_module_buffers(self) -> dict[str, torch.Tensor]:
+        """:attr:`modules_buffers` by name, as ``module.named_buffers()`` names them (torch's attribute)."""
+        return {name: b for name, b in self.module.named_buffers() if name not in self.parameters_to_ignore}
+
     def __deepcopy__(self, memo: dict[int, Any]) -> DistributedDataParallel[ModuleT]:
         """A wrapper of its own, with the same arguments and process group, around a deep copy
         of the module (e.g. for an EMA model); as torch's copy, it has no communication hook
@@ -534,6 +570,36 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         return type(self)(
             module, init_sync=False, forward_sync_buffers=self.forward_sync_buffers, **self._copy_arguments
         )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling keeps, as torch's: the attributes and the module, without the reducer
+        (so without a communication hook: register it again after loading). Only a wrapper over
+        the default process group can be pickled."""
+        if not dist.is_initialized() or self.process_group != dist.group.WORLD:
+            raise RuntimeError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process "
+                "group: this DistributedDataParallel reduces over another one (its process_group or "
+                "device_mesh argument, or the survivors' group after a rank was lost); pickle "
+                "model.module or model.state_dict() instead, or wrap the module without process_group "
+                "and device_mesh"
+            )
+        state = self.__dict__.copy()
+        del state["_reducer"]
+        state["_copy_arguments"] = {**self._copy_arguments, "process_group": None}
+        state["_hook_registered"] = False
+        state["static_graph"] = self.static_graph
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling, as torch's: a reducer over the default process group, with the same
+        arguments; nothing is broadcast. Needs ``init_process_group`` called first."""
+        group = resolve_group(None, "unpickling DistributedDataParallel")
+        state = dict(state)
+        static_graph: bool = state.pop("static_graph")
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        install_exit_grace()
+        record_collectives()
+        self._reducer = self._build_reducer(group, static_graph)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The inner module's state dict (keys without a ``module.`` prefix)."""
