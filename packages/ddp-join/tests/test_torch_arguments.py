@@ -5,6 +5,7 @@ rejected by name."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -14,7 +15,7 @@ import math
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -151,6 +152,56 @@ def test_unsupported_arguments_are_rejected_by_name_and_no_ops_are_accepted() ->
     assert messages["will_sync"] == [False, True, False, False]
     ours, theirs = messages["to_kwargs"]
     assert repr(ours) == repr(theirs)
+
+
+class _Pair(NamedTuple):
+    x: torch.Tensor
+    y: list[torch.Tensor]
+
+
+def _structure(value: Any) -> Any:
+    """The types in ``value``, nested as it is, with each tensor's values."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.tolist())
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, [_structure(item) for item in value])
+    if isinstance(value, dict):
+        return (type(value).__name__, {key: _structure(item) for key, item in value.items()})
+    return (type(value).__name__, value)
+
+
+def _moved_inputs(rank: int, world_size: int) -> tuple[Any, Any]:
+    x, y = torch.ones(2, 3), torch.zeros(1)
+    packed = torch.nn.utils.rnn.pack_sequence([torch.ones(3), torch.ones(2)])
+    inputs = (_Pair(x, [y]), packed, collections.OrderedDict(b=y, a=x), 7)
+    kwargs = {"k": [y]}
+    linear = torch.nn.Linear(2, 2)
+    ours = DistributedDataParallel(linear).to_kwargs(inputs, kwargs, 0)
+    theirs = TorchDDP(linear).to_kwargs(inputs, kwargs, 0)
+    # torch's fails on a defaultdict (it builds one with the items as its factory).
+    ((moved,),), _ = DistributedDataParallel(linear).to_kwargs((collections.defaultdict(list, k=[y]),), {}, 0)
+    assert type(moved) is collections.defaultdict and moved.default_factory is list, moved
+    return _structure(ours), _structure(theirs)
+
+
+def test_to_kwargs_keeps_named_tuples_dicts_and_packed_sequences_as_torchs() -> None:
+    # A named tuple came back a plain tuple, a PackedSequence a tuple of tensors, an
+    # OrderedDict a dict; forward moves inputs with it (device_ids), so a CUDA module got those.
+    ours, theirs = run_ranks(_moved_inputs, 1)[0]
+    assert ours == theirs
+
+
+def _cpu_inputs_to_a_cuda_module(rank: int, world_size: int) -> tuple[str, str]:
+    linear = torch.nn.Linear(3, 2).cuda()
+    ours, theirs = DistributedDataParallel(linear, device_ids=[0]), TorchDDP(linear, device_ids=[0])
+    x = torch.ones(4, 3)
+    return str(ours(x).device), str(theirs(x).device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_module_with_device_ids_takes_cpu_inputs_as_torchs() -> None:
+    # The CPU batch reached the CUDA module as it was (a device mismatch in the module).
+    assert run_ranks(_cpu_inputs_to_a_cuda_module, 1)[0] == ("cuda:0", "cuda:0")
 
 
 def _running_mean(norm: torch.nn.BatchNorm1d) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Protocol, TypeVa
 import torch
 import torch.distributed as dist
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
+from torch.nn.utils.rnn import PackedSequence
 
 from ddp_join._bucket import ALIGN_ELEMENTS as ALIGN_ELEMENTS
 from ddp_join._groups import global_rank, resolve_group
@@ -347,7 +348,11 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the module; before, if this forward will synchronize gradients,
-        tell the Join context and broadcast buffers."""
+        tell the Join context and broadcast buffers. With ``device_ids``, the
+        tensors in the inputs are moved to the module's device first (see
+        :meth:`to_kwargs`), as torch's wrapper does."""
+        if self.device_ids:  # as torch's: inputs go to the module's device
+            (inputs,), (kwargs,) = self.to_kwargs(inputs, kwargs, self.device.index or 0)
         syncing = torch.is_grad_enabled() and self.require_backward_grad_sync
         reducer = self._reducer
         if syncing:
@@ -399,7 +404,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
     ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
         """``inputs`` and ``kwargs`` with every tensor moved to device
         ``device_id`` of this module's device type, as one-element tuples
-        (torch's layout: one entry per device)."""
+        (torch's layout: one entry per device). As torch's, tensors are found
+        in tuples, named tuples, lists and dicts (which keep their types), and
+        a ``PackedSequence`` moves whole."""
         device = torch.device(self.device_type, device_id) if self.device_type != "cpu" else self.device
         moved_inputs = tuple(_to_device(value, device) for value in inputs)
         moved_kwargs = {key: _to_device(value, device) for key, value in (kwargs or {}).items()}
@@ -740,10 +747,15 @@ def _reduce_dtype(
 def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
+    if isinstance(value, PackedSequence):  # whole: its batch sizes stay on the CPU
+        return value.to(device)  # type: ignore[arg-type]  # (typed as Tensor.to's first overload)
     if isinstance(value, tuple):
-        return tuple(_to_device(item, device) for item in value)
+        items = [_to_device(item, device) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     if isinstance(value, list):
         return [_to_device(item, device) for item in value]
     if isinstance(value, dict):
-        return {key: _to_device(item, device) for key, item in value.items()}
+        moved = copy.copy(value)  # its type and a defaultdict's factory
+        moved.update((key, _to_device(item, device)) for key, item in value.items())
+        return moved
     return value
