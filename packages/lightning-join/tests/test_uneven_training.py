@@ -160,3 +160,64 @@ def test_fp16_loss_scale_is_the_longest_ranks_after_an_uneven_epoch() -> None:
     assert scale1["scale"] == 2.0 * 2**10  # 5 steps an epoch
     for key, value in model0.items():
         torch.testing.assert_close(value, model1[key], msg=key)
+
+
+class _Gathering(cases.Regression):
+    """Gathers (its rank, the batch index, a prediction) in every training step, keeping what it got."""
+
+    def __init__(self, sync_grads: bool) -> None:
+        super().__init__()
+        self.sync_grads = sync_grads
+        self.gathered: list[list[list[int]]] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        prediction = self.net(x).mean()
+        mine = torch.stack(
+            [torch.tensor(float(self.global_rank)), torch.tensor(float(batch_idx)), prediction]
+        )
+        gathered = self.all_gather(mine, sync_grads=self.sync_grads)
+        assert isinstance(gathered, torch.Tensor)
+        self.gathered.append([[int(rank), int(index)] for rank, index, _ in gathered.tolist()])
+        # With sync_grads, the others' predictions reach the loss (and backward gathers too).
+        return torch.nn.functional.mse_loss(self.net(x), y) + 0.0 * gathered[:, 2].sum()
+
+
+def _fit_gathering(rank: int, world_size: int, sync_grads: bool) -> list[list[list[int]]]:
+    cases.lightning_env(rank, world_size)
+    model = _Gathering(sync_grads)
+    trainer = cases.trainer(world_size, max_epochs=1)
+    trainer.fit(model, cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
+    return model.gathered
+
+
+@pytest.mark.parametrize("sync_grads", [False, True])
+def test_all_gather_in_a_training_step_leaves_out_the_ranks_that_have_joined(sync_grads: bool) -> None:
+    # Their shadowing zeros came back as rows of rank 0's batch 0.
+    results = run_ranks(_fit_gathering, WORLD, sync_grads, timeout=90)
+    for rank, gathered in enumerate(results):
+        expected = [
+            [[other, index] for other in range(WORLD) if index < BASE + other * EXTRA]
+            for index in range(BASE + rank * EXTRA)
+        ]
+        assert gathered == expected, f"rank {rank}"
+
+
+def _gradients_through_gathers(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from torch.distributed.nn.functional import all_gather
+
+    from lightning_join._reductions import gather_summing_gradients
+
+    grads = []
+    for gather in (lambda t: torch.stack(all_gather(t)), gather_summing_gradients):
+        mine = torch.arange(3.0, requires_grad=True)
+        weights = torch.arange(world_size * 3.0).reshape(world_size, 3) * (rank + 1)
+        (gather(mine * mine) * weights).sum().backward()
+        assert mine.grad is not None
+        grads.append(mine.grad)
+    return grads[0], grads[1]
+
+
+def test_the_gather_summing_gradients_gives_torchs_gradients() -> None:
+    for theirs, ours in run_ranks(_gradients_through_gathers, WORLD):
+        torch.testing.assert_close(ours, theirs)

@@ -28,7 +28,7 @@ from ddp_join import UnevenDistributedSampler
 from join_core import Join, Joinable
 from join_core.liveness import check_watch_timeouts
 from lightning_join import _loops
-from lightning_join._reductions import is_mean, mean_over_contributors
+from lightning_join._reductions import gather_summing_gradients, is_mean, mean_over_contributors
 from lightning_join.metrics import gather_all_tensors
 
 if TYPE_CHECKING:
@@ -228,6 +228,24 @@ class JoinStrategyBase(ParallelStrategy):
             return mean_over_contributors(given, group)
         # The Lightning strategy after this class in the MRO implements it.
         return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[safe-super]
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """As Lightning's (``self.all_gather()``: a tensor of shape
+        ``(world_size, *tensor.shape)``), except that ranks that have joined
+        are left out: they shadow the gather with zeros, and a flag riding
+        with the values tells those rows apart. The first dimension is the
+        number of ranks that gave a tensor, in rank order (the world size
+        while every rank has batches)."""
+        if not dist.is_initialized():
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        flagged = torch.cat([tensor.reshape(-1), tensor.new_ones(1)])
+        if sync_grads and dist.get_backend(group) == dist.Backend.GLOO:
+            gathered = gather_summing_gradients(flagged, group)
+        else:
+            gathered = super().all_gather(flagged, group=group, sync_grads=sync_grads)
+        rows = gathered[gathered[:, -1] != 0, :-1]
+        return rows.reshape(rows.shape[0], *tensor.shape)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["is_mean", "mean_over_contributors"]
+__all__ = ["gather_summing_gradients", "is_mean", "mean_over_contributors"]
 
 
 def is_mean(reduce_op: object) -> bool:
@@ -35,3 +35,28 @@ def mean_over_contributors(tensor: Tensor, group: Any | None = None) -> Tensor:
     dist.all_reduce(packed, group=group)
     averaged = (packed[:-1] / packed[-1]).view(tensor.shape)
     return tensor.copy_(averaged) if floating else averaged
+
+
+def gather_summing_gradients(tensor: Tensor, group: Any | None = None) -> Tensor:
+    """``all_gather`` into a ``(world_size, *shape)`` tensor whose backward
+    all-reduces the gradients of every row and keeps this rank's: a rank
+    that has joined shadows both with zeros. torch's differentiable gather
+    emulates a reduce-scatter over gloo with a scatter from each rank in
+    turn, which a joined rank cannot shadow (it would be the source)."""
+    gathered: Tensor = _GatherSummingGradients.apply(tensor, group)  # type: ignore[no-untyped-call]
+    return gathered
+
+
+class _GatherSummingGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor.contiguous(), group=group)
+        return torch.stack(gathered)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        summed = grad.contiguous().clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed[dist.get_rank(ctx.group)], None
