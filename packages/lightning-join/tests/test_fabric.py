@@ -64,6 +64,30 @@ def test_fabric_loop_under_join_ends_with_the_single_process_model() -> None:
     assert results[-1][1] == pytest.approx(last_loss, rel=1e-5)
 
 
+def _gather_in_the_loop(rank: int, world_size: int) -> list[list[int]]:
+    cases.lightning_env(rank, world_size)
+    fabric = Fabric(**cases.placement(world_size), strategy=JoinDDPStrategy())
+    fabric.launch()
+    module = cases.Regression()
+    model, optimizer = fabric.setup(module, module.configure_optimizers())
+    gathered = []
+    with join(fabric):
+        for step, (x, y) in enumerate(cases.regression_batches(rank, BASE + rank * EXTRA)):
+            optimizer.zero_grad()
+            fabric.backward(torch.nn.functional.mse_loss(model(x.to(fabric.device)), y.to(fabric.device)))
+            optimizer.step()
+            rows = fabric.all_gather(torch.tensor([rank, step], device=fabric.device))
+            assert isinstance(rows, torch.Tensor)
+            gathered.append([int(r) for r, _ in rows.tolist()])
+    return gathered
+
+
+def test_all_gather_in_the_loop_leaves_out_the_ranks_that_have_joined() -> None:
+    # Rank 0's shadowing zeros came back as a row of rank 0's step 0.
+    _, longest = run_ranks(_gather_in_the_loop, WORLD, timeout=60)
+    assert longest == [[0, 1]] * BASE + [[1]] * EXTRA
+
+
 def test_join_needs_the_join_strategy() -> None:
     fabric = Fabric(accelerator="cpu", devices=1)
     with pytest.raises(TypeError, match=re.escape("strategy=lightning_join.fabric.JoinDDPStrategy()")):

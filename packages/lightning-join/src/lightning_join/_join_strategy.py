@@ -28,7 +28,7 @@ from ddp_join import UnevenDistributedSampler
 from join_core import Join, Joinable
 from join_core.liveness import check_watch_timeouts
 from lightning_join import _loops
-from lightning_join._reductions import gather_summing_gradients, is_mean, mean_over_contributors
+from lightning_join._reductions import gather_from_contributors, is_mean, mean_over_contributors
 from lightning_join.metrics import gather_all_tensors
 
 if TYPE_CHECKING:
@@ -237,15 +237,10 @@ class JoinStrategyBase(ParallelStrategy):
         with the values tells those rows apart. The first dimension is the
         number of ranks that gave a tensor, in rank order (the world size
         while every rank has batches)."""
+        plain = super().all_gather
         if not dist.is_initialized():
-            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-        flagged = torch.cat([tensor.reshape(-1), tensor.new_ones(1)])
-        if sync_grads and dist.get_backend(group) == dist.Backend.GLOO:
-            gathered = gather_summing_gradients(flagged, group)
-        else:
-            gathered = super().all_gather(flagged, group=group, sync_grads=sync_grads)
-        rows = gathered[gathered[:, -1] != 0, :-1]
-        return rows.reshape(rows.shape[0], *tensor.shape)
+            return plain(tensor, group=group, sync_grads=sync_grads)
+        return gather_from_contributors(tensor, group, sync_grads, lambda t: plain(t, group, sync_grads))
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

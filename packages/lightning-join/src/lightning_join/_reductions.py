@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["gather_summing_gradients", "is_mean", "mean_over_contributors"]
+__all__ = ["gather_from_contributors", "gather_summing_gradients", "is_mean", "mean_over_contributors"]
 
 
 def is_mean(reduce_op: object) -> bool:
@@ -35,6 +36,22 @@ def mean_over_contributors(tensor: Tensor, group: Any | None = None) -> Tensor:
     dist.all_reduce(packed, group=group)
     averaged = (packed[:-1] / packed[-1]).view(tensor.shape)
     return tensor.copy_(averaged) if floating else averaged
+
+
+def gather_from_contributors(
+    tensor: Tensor, group: Any | None, sync_grads: bool, gather: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """Lightning's ``all_gather`` (``gather``: a ``(world_size, *shape)``
+    tensor) without the ranks that have joined: they shadow it with zeros,
+    and a flag riding with the values tells those rows apart. The first
+    dimension is the number of ranks that gave a tensor, in rank order."""
+    flagged = torch.cat([tensor.reshape(-1), tensor.new_ones(1)])
+    if sync_grads and dist.get_backend(group) == dist.Backend.GLOO:
+        gathered = gather_summing_gradients(flagged, group)
+    else:
+        gathered = gather(flagged)
+    rows = gathered[gathered[:, -1] != 0, :-1]
+    return rows.reshape(rows.shape[0], *tensor.shape)
 
 
 def gather_summing_gradients(tensor: Tensor, group: Any | None = None) -> Tensor:

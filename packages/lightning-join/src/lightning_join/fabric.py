@@ -34,7 +34,7 @@ from typing_extensions import override
 from ddp_join import DistributedDataParallel
 from join_core import DEFAULT_LIVENESS_TIMEOUT, Join, ShadowCollectives
 from join_core.liveness import check_watch_timeouts
-from lightning_join._reductions import is_mean, mean_over_contributors
+from lightning_join._reductions import gather_from_contributors, is_mean, mean_over_contributors
 
 __all__ = ["JoinDDPStrategy", "join"]
 
@@ -46,7 +46,8 @@ class JoinDDPStrategy(DDPStrategy):
     (or :func:`join`) is the context of the training loop.
 
     ``fabric.all_reduce(..., reduce_op="mean")`` averages over the ranks that
-    contribute, so a rank that has joined adds nothing to it.
+    contribute, so a rank that has joined adds nothing to it, and
+    ``fabric.all_gather()`` leaves such ranks out.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io,
@@ -115,6 +116,17 @@ class JoinDDPStrategy(DDPStrategy):
         if is_mean(reduce_op) and isinstance(given, Tensor) and dist.is_initialized():
             return mean_over_contributors(given, group)
         return super().all_reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """As Fabric's DDPStrategy's (``fabric.all_gather()``: a tensor of
+        shape ``(world_size, *tensor.shape)``), except that inside :meth:`join`
+        the ranks that have joined are left out: the first dimension is the
+        number of ranks that gave a tensor, in rank order."""
+        plain = super().all_gather
+        if not dist.is_initialized():
+            return plain(tensor, group=group, sync_grads=sync_grads)
+        return gather_from_contributors(tensor, group, sync_grads, lambda t: plain(t, group, sync_grads))
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
