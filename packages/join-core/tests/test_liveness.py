@@ -74,6 +74,34 @@ def test_every_surviving_rank_names_a_lost_rank_within_seconds(carries: bool, ho
     assert "exited with code -9" in failed.value.failures[2]
 
 
+def _freeze_under_a_watch(rank: int, world_size: int) -> None:
+    """Rank 1 freezes in a script watched by watch_collectives (no Join); rank 0 checks what it is told."""
+    from join_core import watch_collectives
+
+    pids = _pids(world_size)
+    watch_collectives(liveness_timeout=timedelta(seconds=2), hang_timeout=None)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        with pytest.raises(RankLostError) as lost:
+            dist.all_reduce(torch.ones(1))
+        told = str(lost.value)
+        assert told.startswith("watch_collectives: lost rank 1 (no heartbeat for 2.0 s"), told
+        assert told.endswith(
+            "the process group cannot complete a collective any more: destroy it and restart the job (a "
+            "training loop under Join(on_rank_lost='continue') goes on without it)"
+        ), told
+    finally:
+        os.kill(pids[1], signal.SIGKILL)
+
+
+def test_a_rank_lost_under_watch_collectives_is_told_by_the_watch_not_by_a_join() -> None:
+    # It said "Join aborted: ..." and advised passing Join(on_rank_lost='continue'), in a script without a Join.
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_freeze_under_a_watch, 2, timeout=60)
+    assert list(failed.value.failures) == [1], str(failed.value)
+
+
 def _start_again_after_a_loss(rank: int, world_size: int, path: str) -> None:
     """Rank 2 is killed; the survivors destroy the process group and make a new one in the same
     process (the default group gets the same name again): the verdict must not follow them."""

@@ -171,21 +171,29 @@ _joins: dict[str, int] = {}
 
 
 class RankLostError(RuntimeError):
-    """Raised on every surviving rank of a Join when a rank died, froze or was
+    """Raised on every surviving rank of a Join (or of a
+    :func:`~join_core.watch_collectives` watch) when a rank died, froze or was
     cut off: it stopped sending heartbeats for longer than the liveness timeout.
 
     The process group can no longer be used; destroy it and restart the job
     (torchrun restarts it with ``--max-restarts``), or let the survivors go on
     with ``Join(on_rank_lost="continue")``.
 
+    Args:
+        ranks: each lost rank, with what was seen.
+        detail: what follows the lost ranks in the message (default: what to do).
+        source: what the message starts with: who gave up (``"Join aborted"``).
+
     Attributes:
         ranks: each lost rank (in the Join's process group), with what was seen.
     """
 
-    def __init__(self, ranks: dict[int, str], detail: str | None = None) -> None:
+    def __init__(
+        self, ranks: dict[int, str], detail: str | None = None, *, source: str = "Join aborted"
+    ) -> None:
         self.ranks = ranks
         super().__init__(
-            f"Join aborted: lost {_describe(ranks)}; "
+            f"{source}: lost {_describe(ranks)}; "
             + (
                 detail
                 if detail is not None
@@ -193,6 +201,12 @@ class RankLostError(RuntimeError):
                 "the job, or pass Join(on_rank_lost='continue') to go on without it"
             )
         )
+
+
+_WATCH_DETAIL: Final = (
+    "the process group cannot complete a collective any more: destroy it and restart the job (a training "
+    "loop under Join(on_rank_lost='continue') goes on without it)"
+)
 
 
 def _describe(ranks: dict[int, str]) -> str:
@@ -693,7 +707,11 @@ class LivenessWatchdog:
                     lost = first
                 store.set(self._read_key(self._rank), "1")
         self._verdict = lost
-        error = RankLostError(lost)
+        error = (
+            RankLostError(lost, _WATCH_DETAIL, source="watch_collectives")
+            if self._until_main_thread_ends
+            else RankLostError(lost)
+        )
         record_collectives().set_verdict(self._group.group_name, error, self._group)
         self._fail(error, peers, store_port, store)
 
@@ -704,10 +722,11 @@ class LivenessWatchdog:
         lost rank; a desync's watch dumps on its own)."""
         self._failure = error
         self._verdict_ready.set()
+        label = "watch_collectives" if self._until_main_thread_ends else "Join"
         if self._judges_closed and isinstance(error, RankLostError):  # the survivors go on
-            logger.warning("Join: rank %d: lost %s", self._rank, _describe(error.ranks))
+            logger.warning("%s: rank %d: lost %s", label, self._rank, _describe(error.ranks))
         else:
-            logger.error("Join: rank %d: %s", self._rank, error)
+            logger.error("%s: rank %d: %s", label, self._rank, error)
         _shut_down(peers, store_port)
         if isinstance(error, RankLostError) and self._collectives is not None:
             self._collectives.write_dump(store, "lost", str(error))
