@@ -45,6 +45,31 @@ def test_a_survivor_still_beating_is_waited_for_then_named() -> None:
         _agree(HashStore(), 0, [0, 2], {2: 0.1})
 
 
+def test_a_survivor_that_left_its_join_fails_the_agreement_at_once() -> None:
+    # Its heartbeat had stopped with its Join (not silent, not lost): it was waited for, for the
+    # whole wait, and named as still beating.
+    store, quiet, left = HashStore(), dict[int, float](), {2}
+    with pytest.raises(
+        TimeoutError, match=r"rank\(s\) \[2\] left their Join before the survivors' agreement"
+    ):
+        agree(
+            store,
+            "p/",
+            0,
+            [0, 2],
+            7,
+            3,
+            2,
+            quiet.get,
+            SILENT_AFTER,
+            0.001,
+            timedelta(hours=1),
+            left.__contains__,
+        )
+    with pytest.raises(TimeoutError, match=r"left their Join"):  # the others read the same record
+        _agree(store, 1, [0, 1, 2], {})
+
+
 def test_a_survivor_arriving_after_another_gave_up_fails_too_instead_of_counting_it_in() -> None:
     # Rank 0 waited in vain for rank 2 and leaves; its arrival stays in the store. Rank 2, late,
     # made a record with rank 0 in it, and then waited for it to build the new group.

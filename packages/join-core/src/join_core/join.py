@@ -415,6 +415,7 @@ class Join:
             lambda rank: watch.quiet_for(watched[rank]),
             self._liveness_timeout,
             _AGREEMENT_POLL_S,
+            departed=lambda rank: watch.departed(watched[rank]),
         )
         for rank in expected:
             if rank not in agreement.members:  # fell silent during the agreement

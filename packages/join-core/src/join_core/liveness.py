@@ -372,6 +372,10 @@ class LivenessWatchdog:
         """This rank, in the watched group."""
         return self._rank
 
+    def departed(self, rank: int) -> bool:
+        """Whether ``rank`` left its Join (as this watch saw it)."""
+        return rank in self._departed
+
     def quiet_for(self, rank: int) -> float | None:
         """Seconds since ``rank``'s heartbeat last moved (as this watch saw it), or
         None if it was never seen or left its Join. Goes on after a verdict."""

@@ -113,6 +113,7 @@ def agree(
     silent_after: timedelta,
     poll: float,
     wait: timedelta = REGROUP_WAIT,
+    departed: Callable[[int], bool] = lambda rank: False,
 ) -> _Agreement:
     """This rank's part in the agreement among ``expected`` (global ranks, this one included).
 
@@ -121,7 +122,8 @@ def agree(
 
     Raises:
         RankRemovedError: the record leaves this rank out.
-        TimeoutError: a survivor still alive did not arrive within ``wait``.
+        TimeoutError: a survivor still alive did not arrive within ``wait``, or
+            one that has not arrived left its Join (``departed``): it will not.
     """
     record_key = f"{prefix}record"
     store.set(f"{prefix}at/{me}", f"{position} {iteration} {heartbeats}")
@@ -129,6 +131,14 @@ def agree(
     while not store.check([record_key]):
         arrived = [rank for rank in expected if store.check([f"{prefix}at/{rank}"])]
         missing = [rank for rank in expected if rank not in arrived]
+        gone = [rank for rank in missing if departed(rank)]
+        if gone:
+            reason = (
+                f"rank(s) {gone} left their Join before the survivors' agreement and will not reach it: "
+                "the survivors cannot go on without them"
+            )
+            store.compare_set(record_key, "", json.dumps({"failed": reason}))
+            break
         silent = [rank for rank in missing if (quiet_for(rank) or 0.0) > silent_after.total_seconds()]
         if len(silent) == len(missing):
             places = [_parse_place(store.get(f"{prefix}at/{rank}")) for rank in arrived]
