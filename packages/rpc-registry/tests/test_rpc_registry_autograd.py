@@ -37,7 +37,14 @@ from dist_autograd_cases import (
     stall_context_releases,
     use_rref,
 )
-from rpcreg_socket_agent import SocketOptions, run_worker, socket_backend
+from rpcreg_socket_agent import (
+    SlowToArrive,
+    SocketOptions,
+    let_arrive,
+    run_worker,
+    socket_backend,
+    tracked_of,
+)
 
 import rpc_registry.autograd as dist_autograd
 from rpc_registry import RRef, init_rpc, remote, rpc_async, rpc_sync, shutdown
@@ -157,6 +164,19 @@ def test_gradients_through_rrefs_to_here_and_calls_on_the_owner() -> None:
         loss = via_owner.sum() + fetched.pow(2).sum()
         dist_autograd.backward(context_id, [loss])
         _assert_grads(dist_autograd.get_gradients(context_id), [x, y, t], want)
+
+
+def test_an_rpc_async_proxy_call_sent_once_the_rref_is_created_keeps_the_callers_context() -> None:
+    # Sent from the thread that saw the creation done, it left without the context: no gradient.
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        rref = remote("w1", tracked_of, args=(SlowToArrive(5),))
+        fut = rref.rpc_async().add(x)
+        rpc_sync("w2", rpc_sync, args=("w1", let_arrive))  # w0's connection to w1 waits for the argument
+        dist_autograd.backward(context_id, [fut.wait().sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    assert [id(leaf) for leaf in grads] == [id(x)]
+    assert torch.equal(grads[x], torch.ones(2, dtype=torch.float64))
 
 
 def test_gradients_of_leaves_on_other_workers_stay_there() -> None:

@@ -562,9 +562,9 @@ class RRefProxy:
             seconds = runtime.resolve_timeout(timeout)
             payload = (_invoke_rref_method, (rref, name, *args), kwargs)
             if mode == "async":
-                return _once_created(
-                    rref, lambda left: runtime.request(rref._owner, ("call", *payload), left), seconds
-                )
+                # Sent once the owner has the RRef (the encoder waits for the creations of
+                # the RRefs in a request), in this thread's autograd context, timed from now.
+                return runtime.request(rref._owner, ("call", *payload), seconds)
             rref._wait_created(seconds)
             if mode == "remote":
                 rref._check_attribute(name, seconds)
@@ -572,34 +572,6 @@ class RRefProxy:
             return runtime.request(rref._owner, ("call", *payload), seconds).wait()
 
         return call
-
-
-def _once_created(rref: RRef[Any], send: Callable[[float], Future[Any]], timeout: float) -> Future[Any]:
-    """The result of ``send(time left of timeout)``, called once ``rref`` is created on its owner
-    (a call must not overtake the creation), without waiting for that here; an error of the
-    creation is the result's. ``timeout`` counts from now (``0``: no limit)."""
-    created = rref._created
-    if created is None or created.done():
-        rref._wait_created(timeout)  # raises the creation's error
-        return send(timeout)
-    result: Future[Any] = Future()
-    deadline = time.monotonic() + timeout
-
-    def go(_: Future[Any]) -> None:
-        try:
-            created.wait()
-            left = deadline - time.monotonic()
-            if timeout > 0 and left <= 0:
-                raise TimeoutError(
-                    f"creation of {rref!r} on {rref._owner.name}: not done within {timeout:g} s; pass a "
-                    "larger timeout, or 0 for none"
-                )
-            send(left if timeout > 0 else 0.0).add_done_callback(lambda fut: copy_outcome(fut, result))
-        except Exception as error:  # noqa: BLE001 - the call's result carries it
-            fail(result, error)
-
-    created.add_done_callback(go)
-    return result
 
 
 def _guid(ids: tuple[int, int]) -> str:
