@@ -5,6 +5,7 @@ never trusted."""
 from __future__ import annotations
 
 import json
+import pickle
 from datetime import timedelta
 from typing import Any
 
@@ -127,3 +128,8 @@ def test_a_build_failure_read_from_the_store_names_only_members_and_is_cut_short
     forged = _SurvivorsSilent.read(b"1,x,99,-2,,\xff\n" + b"y" * 10_000, (0, 1, 2))
     assert (forged.members, len(str(forged))) == ([1], 300)
     assert _SurvivorsSilent.read(b"9" * 100_000, (0, 1)).members == []
+    assert _SurvivorsSilent.read(b"0" * 4000 + b"1\nwhy", (0, 1)).members == []  # no 4000-digit int
+    # It travels as the cause of the RankLostError (e.g. from a rank to the process that ran it).
+    written.lost[2] = "its heartbeat stopped while the survivors agreed on who goes on"
+    copied = pickle.loads(pickle.dumps(written))
+    assert (copied.members, copied.lost, str(copied)) == (written.members, written.lost, str(written))

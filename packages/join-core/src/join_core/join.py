@@ -421,7 +421,12 @@ class Join:
             if rank not in agreement.members:  # fell silent during the agreement
                 lost[rank] = "its heartbeat stopped while the survivors agreed on who goes on"
         iteration = max(agreement.iterations)  # a joined rank counts no more iterations
-        group = self._build_group_watched(agreement.members, watch, watched, f"{prefix}build-failed")
+        try:
+            group = self._build_group_watched(agreement.members, watch, watched, f"{prefix}build-failed")
+        except _SurvivorsSilent as given_up:
+            dropped = {rank: lost[rank] for rank in expected if rank not in agreement.members}
+            given_up.lost = {**dropped, **given_up.lost}  # silent in the agreement, then in the build
+            raise
         logger.warning(
             "Join: rank %d goes on without rank(s) %s from iteration %d, on a group of %d",
             me,
@@ -531,9 +536,9 @@ class Join:
                 ranks = dict(verdict.ranks)
                 if isinstance(failure, _SurvivorsSilent):
                     me = self._members[self._rank]
-                    for member in failure.members:
+                    for member, seen in failure.lost.items():
                         if member != me and member in self._members:
-                            ranks.setdefault(self._members.index(member), _SILENT_BUILDING)
+                            ranks.setdefault(self._members.index(member), seen)
                 self._gave_up = RankLostError(
                     ranks,
                     detail=f"Join(on_rank_lost='continue') could not go on without it "
@@ -794,11 +799,16 @@ _SILENT_BUILDING: Final = "its heartbeat stopped while the survivors built their
 
 
 class _SurvivorsSilent(TimeoutError):
-    """The survivors gave up building their group: ``members`` (global ranks) fell silent."""
+    """The survivors gave up building their group: ``members`` (global ranks) fell silent; with
+    ``lost``, what was seen of each rank left out (``members`` too, once the caller adds them)."""
 
     def __init__(self, members: list[int], reason: str) -> None:
         super().__init__(reason)
         self.members = members
+        self.lost: dict[int, str] = dict.fromkeys(members, _SILENT_BUILDING)
+
+    def __reduce__(self) -> tuple[type[_SurvivorsSilent], tuple[list[int], str], dict[str, Any]]:
+        return type(self), (self.members, str(self)), {"lost": self.lost}
 
     def encode(self) -> str:
         """As the others read it from the store: the ranks on the first line, then why."""
@@ -809,7 +819,11 @@ class _SurvivorsSilent(TimeoutError):
         """What another survivor wrote (anyone can write to the store: only ranks among
         ``members`` are taken, and the reason is cut short)."""
         ranks, _, reason = value[:4096].decode("utf-8", "replace").partition("\n")
-        silent = [int(rank) for rank in ranks.split(",") if rank.isdecimal() and int(rank) in members]
+        silent = [
+            int(rank)
+            for rank in ranks.split(",")
+            if rank.isdecimal() and len(rank) <= 9 and int(rank) in members
+        ]
         return cls(silent, reason[:300])
 
 
@@ -871,9 +885,8 @@ def _lost_key(lost: set[int]) -> str:
 
 
 def _describe_failure(exc: BaseException) -> str:
-    """``"ValueError: message"``, as the other ranks are told of it (a private error by its
-    public base's name)."""
-    name = next(cls.__name__ for cls in type(exc).__mro__ if not cls.__name__.startswith("_"))
+    """``"ValueError: message"``, as the other ranks are told of it."""
+    name = "TimeoutError" if isinstance(exc, _SurvivorsSilent) else type(exc).__name__
     return f"{name}: {exc}" if str(exc) else name
 
 

@@ -269,6 +269,7 @@ class LivenessWatchdog:
             prefix = f"join_core/liveness/{index}/"
         self._prefix = prefix
         self._until_main_thread_ends = until_main_thread_ends
+        self._label = "watch_collectives" if until_main_thread_ends else "Join"  # who logs
         self._collectives = CollectiveWatch(group, hang_timeout, prefix) if collectives else None
         self._failure: BaseException | None = None
         self._stop = threading.Event()
@@ -496,12 +497,14 @@ class LivenessWatchdog:
         try:
             store = _own_client(self._group.get_group_store(), self._timeout)
         except Exception as error:  # noqa: BLE001 - liveness is a safety net, not a requirement
-            logger.warning("Join: rank %d watches no liveness (no store client: %s)", self._rank, error)
+            logger.warning(
+                "%s: rank %d watches no liveness (no store client: %s)", self._label, self._rank, error
+            )
             return
         try:
             self._watch(store, self._store_port)
         except Exception as error:  # noqa: BLE001 - see above; the main thread must not be disturbed
-            logger.warning("Join: rank %d stopped watching liveness: %s", self._rank, error)
+            logger.warning("%s: rank %d stopped watching liveness: %s", self._label, self._rank, error)
         finally:
             if self._collectives is not None and not self._store_lost:
                 with suppress(Exception):  # a report the others wait for: finish it
@@ -726,7 +729,7 @@ class LivenessWatchdog:
         lost rank; a desync's watch dumps on its own)."""
         self._failure = error
         self._verdict_ready.set()
-        label = "watch_collectives" if self._until_main_thread_ends else "Join"
+        label = self._label
         if self._judges_closed and isinstance(error, RankLostError):  # the survivors go on
             logger.warning("%s: rank %d: lost %s", label, self._rank, _describe(error.ranks))
         else:
