@@ -236,6 +236,25 @@ def test_unpickling_without_a_default_process_group_is_refused_naming_init_proce
     )
 
 
+def _pickled_after_destroying_the_group(rank: int, world_size: int) -> str:
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    dist.destroy_process_group()
+    with pytest.raises(RuntimeError) as refused:
+        pickle.dumps(model)
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # for run_ranks to end
+    return str(refused.value)
+
+
+def test_pickling_after_the_process_group_is_destroyed_says_so() -> None:
+    # It said that the wrapper reduces over another group.
+    assert run_ranks(_pickled_after_destroying_the_group, 1) == [
+        "DDP Pickling/Unpickling are only supported when using DDP with the default process group: no "
+        "default process group is initialized (destroyed?); pickle model.module or model.state_dict() "
+        "instead, or pickle the wrapper before destroy_process_group()"
+    ]
+
+
 _ATTRIBUTES = ("is_multi_device_module", "skip_all_reduce_unused_params", "use_side_stream_for_tensor_copies")
 
 

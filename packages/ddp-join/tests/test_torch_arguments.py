@@ -170,6 +170,11 @@ def _structure(value: Any) -> Any:
     return (type(value).__name__, value)
 
 
+class _NoUpdate(dict[str, torch.Tensor]):
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("update() is not allowed")
+
+
 def _moved_inputs(rank: int, world_size: int) -> tuple[Any, Any]:
     x, y = torch.ones(2, 3), torch.zeros(1)
     packed = torch.nn.utils.rnn.pack_sequence([torch.ones(3), torch.ones(2)])
@@ -181,6 +186,9 @@ def _moved_inputs(rank: int, world_size: int) -> tuple[Any, Any]:
     # torch's fails on a defaultdict (it builds one with the items as its factory).
     ((moved,),), _ = DistributedDataParallel(linear).to_kwargs((collections.defaultdict(list, k=[y]),), {}, 0)
     assert type(moved) is collections.defaultdict and moved.default_factory is list, moved
+    # A dict that refuses update() (as transformers' ModelOutput) is rebuilt as torch rebuilds it.
+    ((output,),), _ = DistributedDataParallel(linear).to_kwargs((_NoUpdate(k=y),), {}, 0)
+    assert type(output) is _NoUpdate and torch.equal(output["k"], y), output
     return _structure(ours), _structure(theirs)
 
 

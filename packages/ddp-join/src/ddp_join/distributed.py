@@ -582,7 +582,13 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         """What pickling keeps, as torch's: the attributes and the module, without the reducer
         (so without a communication hook: register it again after loading). Only a wrapper over
         the default process group can be pickled."""
-        if not dist.is_initialized() or self.process_group != dist.group.WORLD:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process "
+                "group: no default process group is initialized (destroyed?); pickle model.module or "
+                "model.state_dict() instead, or pickle the wrapper before destroy_process_group()"
+            )
+        if self.process_group != dist.group.WORLD:
             raise RuntimeError(
                 "DDP Pickling/Unpickling are only supported when using DDP with the default process "
                 "group: this DistributedDataParallel reduces over another one (its process_group or "
@@ -755,7 +761,13 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, list):
         return [_to_device(item, device) for item in value]
     if isinstance(value, dict):
-        moved = copy.copy(value)  # its type and a defaultdict's factory
-        moved.update((key, _to_device(item, device)) for key, item in value.items())
-        return moved
+        entries = {key: _to_device(item, device) for key, item in value.items()}
+        if type(value) is dict:
+            return entries
+        try:
+            return type(value)(entries)  # as torch's (an OrderedDict, a ModelOutput)
+        except TypeError:  # e.g. a defaultdict, whose first argument is its factory
+            moved = copy.copy(value)
+            moved.update(entries)
+            return moved
     return value
