@@ -335,6 +335,8 @@ def _errors(rank: int, world_size: int) -> list[str]:
             make()
         except ValueError as error:
             messages.append(str(error))
+        except RuntimeError as error:  # torch's type for a module without trainable parameters
+            messages.append(f"RuntimeError: {error}")
     model = DistributedDataParallel(torch.nn.Linear(2, 2))
     model.register_comm_hook(None, allreduce_hook)
     try:
@@ -349,9 +351,37 @@ def _errors(rank: int, world_size: int) -> list[str]:
 def test_bad_arguments_name_the_argument_and_the_fix() -> None:
     messages = run_ranks(_errors, 2)[0]
     assert "device_ids=[0]): must be None for a module on the CPU" in messages[0]
-    assert "no parameter that requires a gradient" in messages[1]
+    assert messages[1] == (
+        "RuntimeError: DistributedDataParallel is not needed when a module doesn't have any parameter that "
+        "requires a gradient: there is nothing to synchronize"
+    )
     assert "bucket_cap_mb=0): must be positive" in messages[2]
     assert "a hook is already registered" in messages[3]
+
+
+def _different_models(rank: int, world_size: int) -> list[str]:
+    messages = []
+    for model in (
+        torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(1 + (rank == 1))]),  # more layers
+        torch.nn.Linear(2, 2 + (rank == 2)),  # the same count, another shape
+    ):
+        with pytest.raises(RuntimeError) as refused:
+            DistributedDataParallel(model)
+        messages.append(str(refused.value))
+    DistributedDataParallel(torch.nn.Linear(2, 2))  # the group still works
+    return messages
+
+
+def test_ranks_with_different_models_are_refused_on_every_rank_as_torchs() -> None:
+    # Rank 1's second layer was broadcast over rank 0's bias and weight, then trained apart.
+    results = run_ranks(_different_models, 3)
+    assert all(messages == results[0] for messages in results)
+    more_layers, other_shape = results[0]
+    assert more_layers.startswith(
+        "DDP expects same model across all ranks, but rank(s) [1] hold parameters and buffers of other "
+        "shapes or dtypes than rank 0 (rank 0: 2, rank 1: 4 tensors)"
+    )
+    assert "but rank(s) [2] hold" in other_shape and "(rank 0: 2, rank 2: 2 tensors)" in other_shape
 
 
 def test_construction_needs_an_initialized_process_group() -> None:

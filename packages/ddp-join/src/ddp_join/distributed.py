@@ -13,6 +13,7 @@ import copy
 import math
 import os
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Protocol, TypeVar
@@ -231,9 +232,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self.parameters_to_ignore: set[str] = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         params = [p for p in self._synced_parameters() if p.requires_grad]
         if not params:
-            raise ValueError(
-                "DistributedDataParallel: the module has no parameter that requires a gradient; "
-                "there is nothing to synchronize"
+            raise RuntimeError(  # torch's type and words first, which callers may match
+                "DistributedDataParallel is not needed when a module doesn't have any parameter that "
+                "requires a gradient: there is nothing to synchronize"
             )
         self.device: torch.device = self._check_device(module, device_ids)
         self.device_type: str = self.device.type
@@ -298,6 +299,7 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         self.register_load_state_dict_pre_hook(_keys_under_module)  # type: ignore[no-untyped-call]
         if init_sync:
             synced = self._synced_parameters() + (self._buffers_list if init_sync_buffers else [])
+            _check_same_tensors(synced, group, self.device)
             self._broadcast_coalesced(synced, global_rank(group, 0), group)
         self._reducer = self._build_reducer(group, static_graph)
 
@@ -665,6 +667,25 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         buffers = self._synced_buffers() if self.forward_sync_buffers and self._buffers_list else []
         self._broadcast_coalesced(self._synced_parameters() + buffers, src, group)
         reducer.buffer_src = 0  # after the Join, buffers come from rank 0 again
+
+
+def _check_same_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup, device: torch.device) -> None:
+    """Raise on every rank of ``group`` unless all hold as many tensors, of the same shapes
+    and dtypes, as rank 0 (torch checks the parameters before its broadcast too; a broadcast
+    of different tensors fails, or silently mixes them up)."""
+    layout = ";".join(f"{tuple(t.shape)}:{t.dtype}" for t in tensors).encode()
+    mine = torch.tensor([len(tensors), zlib.crc32(layout)], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    seen = [(int(count), int(digest)) for count, digest in (t.tolist() for t in everyone)]
+    differ = [rank for rank, entry in enumerate(seen) if entry != seen[0]]
+    if differ:
+        counts = ", ".join(f"rank {rank}: {seen[rank][0]}" for rank in [0, *differ])
+        raise RuntimeError(
+            f"DDP expects same model across all ranks, but rank(s) {differ} hold parameters and buffers "
+            f"of other shapes or dtypes than rank 0 ({counts} tensors): build the same module on every "
+            "rank (or set the differing ones aside with _set_params_and_buffers_to_ignore_for_model)"
+        )
 
 
 def _keys_under_module(
