@@ -199,6 +199,39 @@ def test_to_kwargs_keeps_named_tuples_dicts_and_packed_sequences_as_torchs() -> 
     assert ours == theirs
 
 
+class _Squares(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2, 3))
+        self.bias = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x @ self.weight + self.bias) ** 2).sum()
+
+
+def _backward_creating_a_graph(rank: int, world_size: int) -> list[torch.Tensor]:
+    model = DistributedDataParallel(_Squares())
+    x = torch.full((4, 2), float(rank + 1))
+    model(x).backward(create_graph=True)
+    return [param.grad.detach().clone() for param in model.parameters() if param.grad is not None]
+
+
+def test_backward_with_create_graph_averages_the_gradients() -> None:
+    # The bucket copies were recorded by autograd: "a leaf Variable that requires grad is being
+    # used in an in-place operation" (torch's fails the same way with two parameters or more).
+    results = run_ranks(_backward_creating_a_graph, 2)
+    local = []
+    for rank in range(2):
+        module = _Squares()
+        module(torch.full((4, 2), float(rank + 1))).backward()
+        local.append([param.grad for param in module.parameters() if param.grad is not None])
+    expected = [(first + second) / 2 for first, second in zip(*local)]
+    for grads in results:
+        assert len(grads) == 2
+        for grad, want in zip(grads, expected):
+            torch.testing.assert_close(grad, want)
+
+
 def _cpu_inputs_to_a_cuda_module(rank: int, world_size: int) -> tuple[str, str]:
     linear = torch.nn.Linear(3, 2).cuda()
     ours, theirs = DistributedDataParallel(linear, device_ids=[0]), TorchDDP(linear, device_ids=[0])

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Final
+from typing import Any, Concatenate, Final, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from typing_extensions import ParamSpec
 
 from ddp_join._bucket import Bucket, aligned, group_parameters
 from ddp_join._dist_autograd import distributed_autograd_loaded, distributed_backward_running
@@ -31,6 +32,25 @@ from join_core import Join, Joinable, RankLostError, Recovery, ShadowCollectives
 
 # Float types that represent the heartbeat and flag counts exactly.
 _EXACT_COUNT_DTYPES: Final = (torch.float32, torch.float64)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_S = TypeVar("_S")
+
+
+def _unrecorded(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
+    """``method`` with autograd recording off: ``backward(create_graph=True)`` runs the hooks
+    with it on, and the copies into the buckets are no part of the gradients' graph."""
+
+    def run(reducer: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if not torch.is_grad_enabled():
+            return method(reducer, *args, **kwargs)
+        with torch.no_grad():
+            return method(reducer, *args, **kwargs)
+
+    return run
+
+
 #: The stages of one iteration, as Join numbers them (``regroup_phases``): the
 #: module wrapper's buffer broadcast before the reduction, and the reduction.
 BROADCASTING: Final = 0
@@ -181,6 +201,7 @@ class Reducer:
 
         return hook
 
+    @_unrecorded
     def _grad_accumulated(self, index: int, param: torch.Tensor) -> None:
         if not self._open:
             return
@@ -208,6 +229,7 @@ class Reducer:
 
         return hook
 
+    @_unrecorded
     def _capture(self, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         param = self._params[index]
         if not self._open or not distributed_backward_running():
@@ -361,6 +383,7 @@ class Reducer:
         )
         bucket.future = self.comm_hook(self.comm_state, grad_bucket)
 
+    @_unrecorded
     def _finish_backward(self) -> None:
         """End of backward: reduce what is left, wait, and write the averaged
         gradients to ``.grad`` (or the distributed autograd context's); then
