@@ -84,7 +84,8 @@ def _gather_in_the_loop(rank: int, world_size: int) -> list[list[int]]:
 
 def test_all_gather_in_the_loop_leaves_out_the_ranks_that_have_joined() -> None:
     # Rank 0's shadowing zeros came back as a row of rank 0's step 0.
-    _, longest = run_ranks(_gather_in_the_loop, WORLD, timeout=60)
+    shortest, longest = run_ranks(_gather_in_the_loop, WORLD, timeout=60)
+    assert shortest == [[0, 1]] * BASE
     assert longest == [[0, 1]] * BASE + [[1]] * EXTRA
 
 

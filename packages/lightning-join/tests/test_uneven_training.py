@@ -12,6 +12,7 @@ from join_core.testing import run_ranks
 
 WORLD: int = 3
 BASE, EXTRA, EPOCHS = 2, 1, 2  # rank r has BASE + r * EXTRA batches
+GATHERED_WEIGHT = 0.25  # of the gathered predictions in a loss
 
 
 def _fit_uneven(
@@ -179,28 +180,52 @@ class _Gathering(cases.Regression):
         gathered = self.all_gather(mine, sync_grads=self.sync_grads)
         assert isinstance(gathered, torch.Tensor)
         self.gathered.append([[int(rank), int(index)] for rank, index, _ in gathered.tolist()])
-        # With sync_grads, the others' predictions reach the loss (and backward gathers too).
-        return torch.nn.functional.mse_loss(self.net(x), y) + 0.0 * gathered[:, 2].sum()
+        # With sync_grads, every rank's loss reaches the predictions of the others.
+        return torch.nn.functional.mse_loss(self.net(x), y) + GATHERED_WEIGHT * gathered[:, 2].sum()
 
 
-def _fit_gathering(rank: int, world_size: int, sync_grads: bool) -> list[list[list[int]]]:
+def _fit_gathering(
+    rank: int, world_size: int, sync_grads: bool
+) -> tuple[list[list[list[int]]], dict[str, torch.Tensor]]:
     cases.lightning_env(rank, world_size)
     model = _Gathering(sync_grads)
     trainer = cases.trainer(world_size, max_epochs=1)
     trainer.fit(model, cases.loader(cases.regression_batches(rank, BASE + rank * EXTRA)))
-    return model.gathered
+    return model.gathered, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _gathering_reference(sync_grads: bool) -> dict[str, torch.Tensor]:
+    """One process, the same steps: each rank's loss adds the weighted predictions of the ranks
+    with a batch at that step; their gradient flows back through the gather with sync_grads."""
+    model = cases.Regression()
+    optimizer = model.configure_optimizers()
+    shares = [cases.regression_batches(rank, BASE + rank * EXTRA) for rank in range(WORLD)]
+    for step in range(max(map(len, shares))):
+        optimizer.zero_grad()
+        active = [share[step] for share in shares if step < len(share)]
+        predictions = [model.net(x).mean() for x, _ in active]
+        for (x, y), own in zip(active, predictions):
+            reached = sum(predictions) if sync_grads else 0.0 * own  # without: no gradient through it
+            (torch.nn.functional.mse_loss(model.net(x), y) + GATHERED_WEIGHT * reached).div(WORLD).backward(
+                retain_graph=True
+            )
+        optimizer.step()
+    return model.state_dict()
 
 
 @pytest.mark.parametrize("sync_grads", [False, True])
 def test_all_gather_in_a_training_step_leaves_out_the_ranks_that_have_joined(sync_grads: bool) -> None:
     # Their shadowing zeros came back as rows of rank 0's batch 0.
     results = run_ranks(_fit_gathering, WORLD, sync_grads, timeout=90)
-    for rank, gathered in enumerate(results):
+    expected_state = _gathering_reference(sync_grads)
+    for rank, (gathered, state) in enumerate(results):
         expected = [
             [[other, index] for other in range(WORLD) if index < BASE + other * EXTRA]
             for index in range(BASE + rank * EXTRA)
         ]
         assert gathered == expected, f"rank {rank}"
+        for key, value in expected_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
 
 
 def _gradients_through_gathers(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -232,13 +232,16 @@ class JoinStrategyBase(ParallelStrategy):
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """As Lightning's (``self.all_gather()``: a tensor of shape
-        ``(world_size, *tensor.shape)``), except that ranks that have joined
+        ``(world_size, *tensor.shape)``), except that inside the training or
+        evaluation Join, over its group (the default), ranks that have joined
         are left out: they shadow the gather with zeros, and a flag riding
         with the values tells those rows apart. The first dimension is the
         number of ranks that gave a tensor, in rank order (the world size
-        while every rank has batches)."""
+        while every rank has batches); on a GPU, finding it waits for the
+        gather."""
         plain = super().all_gather
-        if not dist.is_initialized():
+        join = self._training_join if self._training_join is not None else self._evaluation_join
+        if join is None or (group is not None and group != join.process_group):
             return plain(tensor, group=group, sync_grads=sync_grads)
         return gather_from_contributors(tensor, group, sync_grads, lambda t: plain(t, group, sync_grads))
 

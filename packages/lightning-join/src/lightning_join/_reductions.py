@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 __all__ = ["gather_from_contributors", "gather_summing_gradients", "is_mean", "mean_over_contributors"]
 
@@ -68,11 +69,13 @@ class _GatherSummingGradients(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
         ctx.group = group
+        tensor = tensor.contiguous()
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, tensor.contiguous(), group=group)
+        dist.all_gather(gathered, tensor, group=group)
         return torch.stack(gathered)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         summed = grad.contiguous().clone()
         dist.all_reduce(summed, group=ctx.group)

@@ -120,11 +120,15 @@ class JoinDDPStrategy(DDPStrategy):
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """As Fabric's DDPStrategy's (``fabric.all_gather()``: a tensor of
-        shape ``(world_size, *tensor.shape)``), except that inside :meth:`join`
-        the ranks that have joined are left out: the first dimension is the
-        number of ranks that gave a tensor, in rank order."""
+        shape ``(world_size, *tensor.shape)``), except that inside :meth:`join`,
+        over its group (the default), the ranks that have joined are left out:
+        the first dimension is the number of ranks that gave a tensor, in rank
+        order; on a GPU, finding it waits for the gather."""
         plain = super().all_gather
-        if not dist.is_initialized():
+        models = self._modules
+        if not models or not Join.is_active(models[0]):
+            return plain(tensor, group=group, sync_grads=sync_grads)
+        if group is not None and group != models[0].process_group:
             return plain(tensor, group=group, sync_grads=sync_grads)
         return gather_from_contributors(tensor, group, sync_grads, lambda t: plain(t, group, sync_grads))
 
