@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ddp_cases import batch, flat_params, loss_fn, make_model, reference
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
@@ -858,3 +859,61 @@ def test_prepare_for_backward_before_a_backward_inside_forward_finds_unused_para
     assert theirs[0][0] and ours[0][0]
     for (_, mine), (_, torchs) in zip(ours, theirs):
         assert mine == pytest.approx(torchs, rel=1e-6)
+
+
+class _TwoOutputs(torch.nn.Module):
+    """torch's UnusedParamTwoLinLayerNet: two outputs, the loss may leave one out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(10, 10, bias=False)
+        self.b = torch.nn.Linear(10, 10, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
+def _output_unused_in_loss(rank: int, world_size: int, ours: bool, hook: bool, views: bool) -> list[Any]:
+    """The gradient of ``a`` after each step, as torch's DistributedDataParallel (or ours) leaves it:
+    step 0 uses only ``b`` (``a``'s gradient must stay None), step 1 both outputs on every rank,
+    step 2 only ``b`` (``a``'s must stay as it was), step 3 uses ``a`` on rank 0 alone (an
+    average, on every rank), step 4 uses it in a no_sync pass before a step that does not (it
+    arrived: averaged too)."""
+    wrap = DistributedDataParallel if ours else TorchDDP
+    model: Any = wrap(_TwoOutputs(), find_unused_parameters=True, gradient_as_bucket_view=views)
+    if hook:
+        model.register_comm_hook(None, allreduce_hook if ours else default_hooks.allreduce_hook)
+    x = torch.full((4, 10), float(rank + 1))
+    seen: list[Any] = []
+    for step in range(5):
+        if step in (3, 4):
+            model.zero_grad()
+        if step == 4:
+            with model.no_sync():
+                first, second = model(x)
+                (first * second).sum().backward()
+        first, second = model(x)
+        uses_a = step == 1 or (step == 3 and rank == 0)
+        ((first * second).sum() if uses_a else second.sum()).backward()
+        grad = model.module.a.weight.grad
+        seen.append(None if grad is None else grad.clone())
+    return seen
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["builtin", "comm-hook"])
+@pytest.mark.parametrize("views", [False, True], ids=["copies", "bucket-views"])
+def test_a_parameter_whose_output_the_loss_leaves_out_keeps_its_gradient_as_torchs(
+    hook: bool, views: bool
+) -> None:
+    # Its output was reached by the forward, so its gradient was "used": zeros were averaged
+    # into it (step 0), where torch counts the gradients that arrive and leaves it alone.
+    ours = run_ranks(_output_unused_in_loss, 2, True, hook, views)
+    theirs = run_ranks(_output_unused_in_loss, 2, False, hook, views)
+    for rank in range(2):
+        for step, (mine, torchs) in enumerate(zip(ours[rank], theirs[rank])):
+            assert (mine is None) == (torchs is None), f"rank {rank} step {step}"
+            if mine is not None:
+                torch.testing.assert_close(mine, torchs, msg=f"rank {rank} step {step}")
+    assert ours[0][0] is None
+    assert ours[0][2] is not None and torch.equal(ours[0][2], ours[0][1])  # left as it was

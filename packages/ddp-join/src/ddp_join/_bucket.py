@@ -72,13 +72,16 @@ class Bucket:
     """Parameters whose gradients are reduced together, in one flat buffer.
 
     The buffer starts with ``meta_len`` elements reserved for per-iteration
-    metadata (bucket 0 only, when its dtype counts exactly)."""
+    metadata (bucket 0 only, when its dtype counts exactly) and ends with
+    ``tail_len`` elements for the parameters' arrival flags (the last bucket
+    only, with ``find_unused_parameters``)."""
 
     index: int
     params: list[torch.nn.Parameter]
     offsets: list[int]
     meta_len: int
     buffer: torch.Tensor
+    tail_len: int = 0
     pending: int = 0
     ready: list[bool] = field(default_factory=list)
     # In flight: a comm hook's future, or the built-in all-reduce's work on ``reduced``.
@@ -96,12 +99,15 @@ class Bucket:
     lent: torch.Tensor | None = None
     meta: torch.Tensor = field(init=False)
     grads: torch.Tensor = field(init=False)
+    tail: torch.Tensor = field(init=False)
     views: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
         # Views made once: slicing a tensor costs a microsecond, every step.
+        end = self.buffer.numel() - self.tail_len
         self.meta = self.buffer[: self.meta_len]
-        self.grads = self.buffer[self.meta_len :]
+        self.grads = self.buffer[self.meta_len : end]
+        self.tail = self.buffer[end:]
         self.views = [
             self.grads[offset : offset + param.numel()].view_as(param)
             for param, offset in zip(self.params, self.offsets)

@@ -91,8 +91,12 @@ class Reducer:
         self.comm_hook: CommHook | None = None  # None: the built-in averaging all-reduce
         self.comm_state: Any = None
         self._used_since_sync = [False] * len(params)  # find_unused_parameters, across no_sync
-        # Used flags ride in the metadata: with find_unused_parameters or static_graph.
-        self._flags_in_meta = find_unused_parameters or static_graph
+        # static_graph: the used flags ride in the metadata (known at the forward).
+        self._flags_in_meta = static_graph
+        # find_unused_parameters: whether each gradient arrived (since the last reduction, so
+        # across no_sync) rides at the end of the last bucket, launched once all are known.
+        self._flags_in_tail = find_unused_parameters and not static_graph
+        self._arrived = [False] * len(params)
         # static_graph: how many times each gradient is accumulated per backward; None until learned.
         self._static_counts: list[int] | None = None
         self.divide_by_initial_world_size = True
@@ -135,9 +139,10 @@ class Reducer:
                 offsets.append(total)
                 total += aligned(param.numel())
             meta_len = self._meta_len if index == 0 and self._meta_rides else 0
+            tail_len = aligned(len(self._params)) if index == len(groups) - 1 and self._flags_in_tail else 0
             dtype = self._reduce_dtype or params[0].dtype
-            buffer = torch.zeros(meta_len + total, dtype=dtype, device=self._device)
-            bucket = Bucket(index, params, offsets, meta_len, buffer)
+            buffer = torch.zeros(meta_len + total + tail_len, dtype=dtype, device=self._device)
+            bucket = Bucket(index, params, offsets, meta_len, buffer, tail_len)
             bucket.as_view = gradient_as_bucket_view and dtype == params[0].dtype
             if bucket.as_view:
                 # As torch: a gradient already there becomes a view of the bucket; the others
@@ -175,6 +180,7 @@ class Reducer:
         self._callback_queued = False
         self._next_launch = 0
         self._meta_future: torch.futures.Future[torch.Tensor] | None = None
+        self._arrivals_future: torch.futures.Future[torch.Tensor] | None = None  # with a comm hook
         self._used = [True] * len(self._params)
         self._unused_now: list[int] = []  # find_unused_parameters: not reached by this forward
         self._hook_counts = [0] * len(self._params)  # static_graph: accumulations this backward
@@ -203,6 +209,7 @@ class Reducer:
 
     @_unrecorded
     def _grad_accumulated(self, index: int, param: torch.Tensor) -> None:
+        self._arrived[index] = True
         if not self._open:
             return
         self._accumulated += 1
@@ -244,6 +251,7 @@ class Reducer:
                 "second gradient in one distributed backward; a parameter's gradient may reach "
                 "DDP in one pass only (it is already being reduced)"
             )
+        self._arrived[index] = True
         # The context keeps this tensor; the average is written into it at the end.
         dense = torch.empty_like(param, memory_format=torch.preserve_format)
         if grad.layout == torch.strided:
@@ -349,13 +357,31 @@ class Reducer:
         return bucket.as_view or bucket.buffer.dtype == torch.float16
 
     def _rides(self, bucket: Bucket) -> bool:
+        """Whether ``bucket`` is reduced whole, the metadata or arrival flags with its gradients."""
+        return self.comm_hook is None and (bucket.meta_len > 0 or bucket.tail_len > 0)
+
+    def _carries_meta(self, bucket: Bucket) -> bool:
         return bucket.meta_len > 0 and self.carries
+
+    def _arrival_flags(self, training: bool, like: torch.Tensor) -> torch.Tensor:
+        """This rank's arrival flags (none on a joined rank), as ``like``'s first elements."""
+        flags = torch.zeros_like(like)
+        if training:
+            flags[: len(self._arrived)] = torch.tensor(self._arrived, dtype=like.dtype)
+        return flags
 
     def _launch(self, bucket: Bucket, training: bool) -> None:
         rides = self._rides(bucket)
+        if bucket.tail_len:
+            if rides:
+                bucket.tail.copy_(self._arrival_flags(training, bucket.tail))
+            else:  # a hook reduces the gradients: the flags go in an all-reduce of their own
+                flags = self._arrival_flags(training, torch.empty(bucket.tail_len, device=self._device))
+                work = dist.all_reduce(flags, group=self.process_group, async_op=True)
+                self._arrivals_future = work.get_future().then(lambda f: f.value()[0])
         if bucket.index == 0:
             self._launched_training = training
-            if rides:
+            if self._carries_meta(bucket):
                 bucket.meta.copy_(self._signal_meta(training, bucket.buffer.dtype))
             elif self._flags_in_meta or Join.is_active(self.joinable):
                 # The metadata cannot ride with these gradients: its own all-reduce, first.
@@ -409,6 +435,7 @@ class Reducer:
         total = self._complete(shadow=False)
         self.reset_iteration()
         self._used_since_sync = [False] * len(self._params)
+        self._arrived = [False] * len(self._params)
         if total is not None:
             Join.heartbeat_result(self.joinable, total)
 
@@ -421,7 +448,7 @@ class Reducer:
         first = self._buckets[0]
         first_result = first.result()
         meta: list[float] = []
-        if self._rides(first):
+        if self._carries_meta(first):
             if self._flags_in_meta or Join.is_active(self.joinable):
                 meta = first.meta.tolist()  # riding: first_result is first.buffer
             else:
@@ -434,7 +461,7 @@ class Reducer:
         used = (
             [count > 0 for count in meta[1 + self._world_size : 1 + self._world_size + len(self._params)]]
             if self._flags_in_meta and meta
-            else None
+            else self._arrivals()
         )
         for bucket in self._buckets:
             result = first_result if bucket is first else bucket.result()
@@ -495,7 +522,20 @@ class Reducer:
         if self.keeps_copies:
             for bucket in self._buckets:
                 bucket.keep_reduced()
-        return meta[0] if meta and self._rides(first) else None
+        return meta[0] if meta and self._carries_meta(first) else None
+
+    def _arrivals(self) -> list[bool] | None:
+        """With find_unused_parameters: whether each parameter's gradient arrived on any rank
+        (the last bucket's reduction is waited for); None otherwise."""
+        if not self._flags_in_tail:
+            return None
+        if self._arrivals_future is not None:
+            counts = self._arrivals_future.wait()
+        else:
+            last = self._buckets[-1]
+            last.result()
+            counts = last.tail
+        return [count > 0 for count in counts[: len(self._params)].tolist()]
 
     def _note_buffer_source(self, meta: list[float]) -> None:
         """The next forward takes the buffers of the first rank that trained in this reduction."""
@@ -625,6 +665,7 @@ class Reducer:
                 self._grad_ready(index, None)
         total = self._complete(shadow=True)
         self.reset_iteration()
+        self._arrived = [False] * len(self._params)
         if total is not None:
             Join.heartbeat_result(self.joinable, total)
 
@@ -666,9 +707,11 @@ class Reducer:
                 self._refill(bucket)
             if self._divides_first(bucket):
                 bucket.grads.div_(self._world_size)
-            if self._rides(bucket):
+            if self._carries_meta(bucket):
                 meta = self._signal_meta(self._launched_training, bucket.buffer.dtype)
                 bucket.meta.copy_(meta)
+            if bucket.tail_len and self._rides(bucket):
+                bucket.tail.copy_(self._arrival_flags(self._launched_training, bucket.tail))
             bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
             bucket.work = self._all_reduce(bucket.reduced)
 

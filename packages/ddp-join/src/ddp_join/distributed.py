@@ -123,9 +123,11 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         bucket_cap_mb: the size of a gradient bucket in MiB (None: 25, with a
             smaller first bucket).
         find_unused_parameters: find the parameters a forward does not use,
-            so their buckets need not wait for the end of backward, and leave
-            ``.grad`` untouched for parameters no rank used. Either way a
-            parameter without a gradient is reduced as zeros; nothing hangs.
+            so their buckets need not wait for the end of backward, and, as
+            torch's, leave ``.grad`` untouched for parameters whose gradient
+            arrived on no rank (an output the loss leaves out included).
+            Either way a parameter without a gradient is reduced as zeros;
+            nothing hangs.
         check_reduction: deprecated in torch and without effect (a
             ``FutureWarning`` when True).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket,
