@@ -917,3 +917,15 @@ def test_a_parameter_whose_output_the_loss_leaves_out_keeps_its_gradient_as_torc
                 torch.testing.assert_close(mine, torchs, msg=f"rank {rank} step {step}")
     assert ours[0][0] is None
     assert ours[0][2] is not None and torch.equal(ours[0][2], ours[0][1])  # left as it was
+
+
+def _undefined_gradients(rank: int, world_size: int) -> list[bool]:
+    model = DistributedDataParallel(_TwoOutputs(), find_unused_parameters=True)
+    first, second = model(torch.ones(2, 10))
+    torch._C._functions.UndefinedGrad()((first * second).sum()).backward()  # type: ignore[attr-defined]
+    return [param.grad is None for param in model.parameters()]
+
+
+def test_undefined_gradients_leave_grad_none_as_torchs() -> None:
+    # The hooks ran for them with .grad None: counted as arrived, the parameters got zeros.
+    assert run_ranks(_undefined_gradients, 2) == [[True, True]] * 2

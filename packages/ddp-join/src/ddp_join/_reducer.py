@@ -209,7 +209,8 @@ class Reducer:
 
     @_unrecorded
     def _grad_accumulated(self, index: int, param: torch.Tensor) -> None:
-        self._arrived[index] = True
+        if param.grad is not None:  # (an undefined gradient leaves a None there)
+            self._arrived[index] = True
         if not self._open:
             return
         self._accumulated += 1
