@@ -929,3 +929,30 @@ def _undefined_gradients(rank: int, world_size: int) -> list[bool]:
 def test_undefined_gradients_leave_grad_none_as_torchs() -> None:
     # The hooks ran for them with .grad None: counted as arrived, the parameters got zeros.
     assert run_ranks(_undefined_gradients, 2) == [[True, True]] * 2
+
+
+class _SecondLayerSometimes(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(4, 4, bias=False)
+        self.second = torch.nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor, second: bool) -> torch.Tensor:
+        hidden = torch.relu(self.first(x))
+        return self.second(hidden) if second else hidden
+
+
+def _graph_changing_under_static_graph(rank: int, world_size: int) -> str:
+    model = DistributedDataParallel(_SecondLayerSometimes(), static_graph=True)
+    model(torch.full((3, 4), float(rank + 1)), False).sum().backward()  # learned: no gradient for `second`
+    with pytest.raises(RuntimeError) as changed:
+        model(torch.full((3, 4), float(rank + 1)), True).sum().backward()
+    return str(changed.value)
+
+
+def test_a_parameter_used_after_a_static_graph_learned_it_unused_raises_as_torchs() -> None:
+    # Its gradient was left as each rank's own, unaveraged: the replicas drifted apart silently.
+    for message in run_ranks(_graph_changing_under_static_graph, 2):
+        assert message.startswith("Your training graph has changed in this iteration"), message
+        assert "parameter 1 (shape (4, 4)) got a gradient more than the 0 time(s)" in message, message

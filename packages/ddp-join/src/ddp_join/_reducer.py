@@ -222,6 +222,9 @@ class Reducer:
             # a gradient accumulated several times is ready at its last time.
             if self._static_counts is None or self._hook_counts[index] < self._static_counts[index]:
                 return
+            if self._hook_counts[index] > self._static_counts[index]:
+                # Its bucket went (or goes) without it: the ranks' gradients would drift apart.
+                raise RuntimeError(_graph_changed(index, param, self._static_counts[index]))
         else:
             bucket, position = self._where[index]
             if bucket.ready[position]:
@@ -801,6 +804,16 @@ class Reducer:
             bucket.work = work
             bucket.reduced = bucket.buffer if self._rides(bucket) else bucket.grads
         self._handoff = True
+
+
+def _graph_changed(index: int, param: torch.Tensor, learned: int) -> str:
+    return (
+        "Your training graph has changed in this iteration, e.g., one parameter is unused in first "
+        "iteration, but then got used in the second iteration. this is not compatible with "
+        f"static_graph set to True: parameter {index} (shape {tuple(param.shape)}) got a gradient "
+        f"more than the {learned} time(s) the first iteration's backward gave it; pass "
+        "static_graph=False (with find_unused_parameters=True if some parameters go unused)"
+    )
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
