@@ -201,13 +201,14 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         )
         if process_group is not None and device_mesh is not None:
             raise RuntimeError(
-                "DistributedDataParallel(process_group=..., device_mesh=...): give one of them, not both"
+                "Cannot specify both process_group and device_mesh arguments: DistributedDataParallel("
+                "process_group=..., device_mesh=...) takes one of them, not both"
             )
         if device_mesh is not None:
             if device_mesh.ndim != 1:
                 raise RuntimeError(
-                    f"DistributedDataParallel(device_mesh={device_mesh}): only a 1-D mesh is supported; "
-                    "pass device_mesh[dim_name] for the data-parallel dimension"
+                    f"Only 1D device mesh is supported, but got {device_mesh}: pass "
+                    "device_mesh[dim_name] for the data-parallel dimension"
                 )
             process_group = device_mesh.get_group(mesh_dim=0)
         self.device_mesh = device_mesh
@@ -453,7 +454,9 @@ class DistributedDataParallel(torch.nn.Module, Generic[ModuleT]):
         if Join.is_active(self):
             raise RuntimeError("DistributedDataParallel.register_comm_hook: register before entering a Join")
         if not callable(hook):
-            raise TypeError(f"DistributedDataParallel.register_comm_hook(hook={hook!r}): not callable")
+            raise TypeError(
+                f"Communication hook must be callable: DistributedDataParallel.register_comm_hook(hook={hook!r})"
+            )
         self._hook_registered = True
         if hook is allreduce_hook and state in (None, self.process_group):
             return  # the built-in reduction, which also carries the metadata
