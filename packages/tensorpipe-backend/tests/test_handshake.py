@@ -14,6 +14,7 @@ import pytest
 from tensorpipe_backend import auth
 from tensorpipe_backend.auth import (
     AuthenticationError,
+    HandshakeCut,
     HandshakeStatus,
     PeerIdentity,
     client_handshake,
@@ -110,3 +111,27 @@ def test_a_server_that_holds_another_secret_learns_nothing_and_refuses(
         client_handshake(client, SECRET, PeerIdentity("w1", 1), None)
     thread.join(10)
     assert len(errors) == 1 and str(errors[0]) == "a client failed the secret check"
+
+
+@pytest.mark.parametrize("when", ["after the proof", "before the proof"])
+def test_a_cut_handshake_tells_the_client_to_dial_again_not_that_secrets_differ(
+    when: str, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """A server that cut a handshake for a flood of others says busy, whether it judged the
+    client's proof (``decide`` found it cut) or not (its read ended): the client may dial again."""
+    server, client = pair
+
+    def serve() -> None:
+        if when == "after the proof":
+            server_handshake(server, SECRET, PeerIdentity("server", 0), lambda p: HandshakeStatus.BUSY)
+        else:
+            server.sendall(auth._HELLO.pack(auth._MAGIC, auth._VERSION, os.urandom(auth._NONCE)))
+            server.sendall(auth.BUSY)
+        server.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    with pytest.raises(HandshakeCut, match="cut the handshake") as caught:
+        client_handshake(client, SECRET, PeerIdentity("w1", 1), PeerIdentity("server", 0))
+    thread.join(10)
+    assert not isinstance(caught.value, AuthenticationError)

@@ -812,6 +812,73 @@ def close_garbage() -> None:
     _kept.clear()
 
 
+class _FloodAfterHello:
+    """The socket of a member's handshake, to the server: once the hello has gone out, strangers
+    from the member's own source (this host's address, or its user) open as many silent
+    connections as one source may hold in the handshake, so that the member's is the one cut."""
+
+    def __init__(self, sock: socket.socket, strangers: list[socket.socket]) -> None:
+        self._sock, self._strangers = sock, strangers
+
+    def sendall(self, data: bytes) -> None:
+        from tensorpipe_backend.peers import _MAX_HANDSHAKES_PER_SOURCE
+
+        self._sock.sendall(data)
+        if self._strangers:
+            return
+        agent = get_current_agent()
+        peers = agent._peers
+        assert peers is not None
+        if self._sock.family == socket.AF_UNIX:
+            where: Any = agent._local_listener.getsockname()  # type: ignore[union-attr]
+        else:
+            where = agent.address
+        for _ in range(_MAX_HANDSHAKES_PER_SOURCE):
+            stranger = socket.socket(self._sock.family, socket.SOCK_STREAM)
+            stranger.connect(where)
+            self._strangers.append(stranger)
+        deadline = time.monotonic() + 10
+        while self._sock in peers._handshaking and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def serve_meeting_a_flood_in_the_first_handshake(init_method: str, ready: Any, done: Any, tcp: bool) -> None:
+    """w1: serve; the first handshake after ``ready`` is set meets a flood (:class:`_FloodAfterHello`)."""
+    import tensorpipe_backend.peers
+
+    if tcp:
+        as_another_host()
+    init_rpc("w1", backend(), 1, 3, options(init_method))
+    peers_module: Any = tensorpipe_backend.peers
+    real = peers_module.server_handshake
+    strangers: list[socket.socket] = []
+
+    def meeting_a_flood(sock: socket.socket, *args: Any) -> Any:
+        peers_module.server_handshake = real
+        return real(_FloodAfterHello(sock, strangers), *args)
+
+    peers_module.server_handshake = meeting_a_flood
+    ready.set()
+    done.wait(60)
+    for stranger in strangers:
+        stranger.close()
+    shutdown(graceful=False)
+
+
+def call_once_ready(init_method: str, ready: Any, done: Any, results: Any, tcp: bool) -> None:
+    """w2 (of w0, w1, w2): once ``ready`` is set, make a first call to w1; report what it gave."""
+    if tcp:
+        as_another_host()
+    init_rpc("w2", backend(), 2, 3, options(init_method))
+    ready.wait(60)
+    results.put(_error_text(lambda: rpc_sync("w1", whoami, timeout=20)))
+    done.set()
+    shutdown(graceful=False)
+
+
 def garbage_then_call(
     name: str, rank: int, world_size: int, init_method: str, results: Any, done: Any, tcp: bool = False
 ) -> None:

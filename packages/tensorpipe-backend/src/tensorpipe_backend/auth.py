@@ -19,6 +19,12 @@ Handshake, server ``S`` and dialing client ``C``::
 ``S`` reads a fixed-size proof, checks its MAC, then unseals; it closes
 without a verdict when the proof is wrong. ``C`` checks the verdict's HMAC
 and that ``S`` is the worker it meant to reach.
+
+A server that cuts a handshake (too many at once from one source, or too
+slow) says ``busy`` instead of a verdict, at any point: status ``BUSY``,
+rank 0 and no name, unsigned (it may not have the proof yet, and it tells
+nothing). ``C`` then dials again (:class:`HandshakeCut`); a clean close
+after its proof still means the two hold different secrets.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ from .wire import recv_exact
 
 __all__ = [
     "HELLO_BYTES",
+    "BUSY",
     "AuthenticationError",
+    "HandshakeCut",
     "HandshakeStatus",
     "PeerIdentity",
     "client_handshake",
@@ -46,7 +54,7 @@ __all__ = [
 ]
 
 _MAGIC: Final = b"TPBA"
-_VERSION: Final = 3
+_VERSION: Final = 4
 _NONCE: Final = 32
 _MAX_NAME: Final = 255
 _HELLO: Final = struct.Struct(f"!4sB{_NONCE}s")
@@ -63,6 +71,11 @@ class AuthenticationError(ConnectionError):
     """The other end of a connection did not prove it holds the job's secret."""
 
 
+class HandshakeCut(ConnectionError):
+    """The server cut this handshake to make room for others (a flood of connections, or ours
+    was too slow): not a verdict on this client; dial again."""
+
+
 class HandshakeStatus(enum.IntEnum):
     """The server's verdict on an authenticated client."""
 
@@ -71,6 +84,12 @@ class HandshakeStatus(enum.IntEnum):
     """Authenticated, but another connection between the two is kept: use that one."""
     REFUSED = 2
     """Authenticated, but this worker judged the client lost: it does not talk to it again."""
+    BUSY = 3
+    """The handshake was cut before the client's proof was judged: dial again."""
+
+
+BUSY: Final = _VERDICT.pack(HandshakeStatus.BUSY, 0, 0)
+"""What a server sends, in place of a verdict, on a handshake it cut."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +156,8 @@ def server_handshake(
     """Authenticate the client on ``sock`` (the caller sets a socket timeout).
 
     ``decide`` is called only for an authenticated client, and only then
-    does ``me`` leave this worker. Raises :class:`AuthenticationError` (the
+    does ``me`` leave this worker; when it says ``BUSY``, the client gets
+    :data:`BUSY` and nothing else. Raises :class:`AuthenticationError` (the
     caller closes ``sock``) on a wrong proof, or ``EOFError``/``OSError`` on
     a broken connection.
     """
@@ -153,6 +173,9 @@ def server_handshake(
         raise AuthenticationError("a client failed the secret check")
     peer = _unseal(sealed, secret, nonce_s, nonce_c)
     status = decide(peer)
+    if status is HandshakeStatus.BUSY:
+        sock.sendall(BUSY)
+        return peer, status
     verdict = hmac.new(
         secret,
         b"server" + nonce_c + nonce_s + bytes([status]) + _identity_bytes(me.rank, me.name),
@@ -169,7 +192,8 @@ def client_handshake(
 
     Raises :class:`AuthenticationError` when the server does not prove the
     secret, is someone else, or closes the connection (its check of our
-    proof failed: the two workers hold different secrets).
+    proof failed: the two workers hold different secrets), and
+    :class:`HandshakeCut` when the server cut the handshake (dial again).
     """
     magic, version, nonce_s = _HELLO.unpack(recv_exact(sock, _HELLO.size))
     if magic != _MAGIC or version != _VERSION:
@@ -180,13 +204,21 @@ def client_handshake(
     nonce_c = secrets.token_bytes(_NONCE)
     sealed = _seal(me, secret, nonce_s, nonce_c)
     mac = hmac.new(secret, b"client" + nonce_s + nonce_c + sealed, hashlib.sha256)
-    sock.sendall(_PROOF.pack(_MAGIC, nonce_c, sealed) + mac.digest())
+    unsent: OSError | None = None
+    try:
+        sock.sendall(_PROOF.pack(_MAGIC, nonce_c, sealed) + mac.digest())
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        unsent = exc  # the server may have said busy and closed: what it said is read below
     reached = f"worker {expected.name}" if expected is not None else "the server"
     try:
         status_byte, rank_s, name_len = _VERDICT.unpack(recv_exact(sock, _VERDICT.size))
+        if status_byte == HandshakeStatus.BUSY:
+            raise HandshakeCut(f"{reached} cut the handshake to make room for other connections")
         name_s = _read_name(sock, name_len)
         verdict = bytes(recv_exact(sock, _MAC))
     except EOFError:
+        if unsent is not None:
+            raise unsent from None  # closed before our proof arrived: it never judged it
         raise AuthenticationError(
             f"{reached} closed the connection during authentication: it holds a different "
             f"secret; give every worker the same auth_token or {AUTH_TOKEN_ENV}"

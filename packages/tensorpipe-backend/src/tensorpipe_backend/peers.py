@@ -32,8 +32,10 @@ from rpc_registry import WorkerInfo
 from rpc_registry.errors import WorkerNameError
 
 from .auth import (
+    BUSY,
     HELLO_BYTES,
     AuthenticationError,
+    HandshakeCut,
     HandshakeStatus,
     PeerIdentity,
     client_handshake,
@@ -56,6 +58,7 @@ _HANDSHAKE_TIMEOUT: Final = 30.0  # for a dial: the peer may be busy starting
 _HANDSHAKE_DEADLINE: Final = 10.0
 _MAX_HANDSHAKES: Final = 64
 _MAX_HANDSHAKES_PER_SOURCE: Final = 16
+_REJECTION_WARNING_INTERVAL: Final = 10.0
 _LANE_DIAL_TIMEOUT: Final = 5.0  # the peer just accepted the connection: its lane is as quick
 # How long the probe of a closed connection may take. A dead process's address refuses at once;
 # a peer that does not greet within this is not judged by the probe (later dials may).
@@ -113,6 +116,9 @@ class Peers:
         self._dialing: set[str] = set()
         # Sockets accepted and not yet authenticated, oldest first: when: (start, source).
         self._handshaking: dict[socket.socket, tuple[float, str]] = {}
+        self._cut_handshakes: set[socket.socket] = set()  # told busy by their threads
+        self._last_rejection_warning = -_REJECTION_WARNING_INTERVAL
+        self._rejections_unsaid = 0
         self._closed = False
 
     @property
@@ -177,28 +183,14 @@ class Peers:
         window = self._liveness_timeout or _HANDSHAKE_TIMEOUT
         limit = window if deadline is None else max(min(deadline - started, window), 0.01)
         info = WorkerInfo(name, record.rank)
-        try:
-            sock = dial_local(self._mine(), record, limit) or socket.create_connection(
-                (record.host, record.port), timeout=limit
-            )
-        except OSError as exc:
-            if isinstance(exc, ConnectionRefusedError):
-                why = f"nothing listens at its address any more ({exc}): its process ended"
-                raise ConnectionError(self._lost_text(info, why)) from exc
-            self._judge_silence(info, started, exc)
-            raise ConnectionError(
-                f"worker {name} (rank {record.rank}) at {record.host}:{record.port} is unreachable: {exc}"
-            ) from exc
-        try:
-            tune(sock)
-            peer = PeerIdentity(name, record.rank)
-            _, status = client_handshake(sock, self._secret, PeerIdentity(self._me.name, self._me.id), peer)
-        except (OSError, EOFError, struct.error) as exc:
-            close_socket(sock)
-            if isinstance(exc, AuthenticationError):
-                raise
-            self._judge_silence(info, started, exc)
-            raise ConnectionError(f"worker {name}: connecting failed during authentication ({exc})") from exc
+        delay = 0.002
+        while True:
+            sock, status = self._dial_once(info, record, started, started + limit)
+            if sock is not None:
+                break
+            # Cut to make room for a flood of other connections: dial again, while the limit lasts.
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
         if status is HandshakeStatus.DUPLICATE:
             close_socket(sock)
             return None
@@ -229,6 +221,43 @@ class Peers:
         if conn.shm is None and sock.family != socket.AF_UNIX and conn.lane.claim():
             self._spawn(self._dial_lane, f"lane-{name}", conn, record)
         return conn
+
+    def _dial_once(
+        self, peer: WorkerInfo, record: WorkerRecord, started: float, until: float
+    ) -> tuple[socket.socket | None, HandshakeStatus]:
+        """Dial ``peer`` and pass the handshake by ``until`` (monotonic): the socket and the
+        verdict, or no socket when the peer cut the handshake and time is left to dial again."""
+        limit = max(until - time.monotonic(), 0.01)
+        try:
+            sock = dial_local(self._mine(), record, limit) or socket.create_connection(
+                (record.host, record.port), timeout=limit
+            )
+        except OSError as exc:
+            if isinstance(exc, ConnectionRefusedError):
+                why = f"nothing listens at its address any more ({exc}): its process ended"
+                raise ConnectionError(self._lost_text(peer, why)) from exc
+            self._judge_silence(peer, started, exc)
+            raise ConnectionError(
+                f"worker {peer.name} (rank {peer.id}) at {record.host}:{record.port} is unreachable: {exc}"
+            ) from exc
+        try:
+            tune(sock)
+            me = PeerIdentity(self._me.name, self._me.id)
+            _, status = client_handshake(sock, self._secret, me, PeerIdentity(peer.name, peer.id))
+        except (OSError, EOFError, struct.error) as exc:
+            close_socket(sock)
+            # A cut handshake, or a reset one (the peer cut it and closed before our proof arrived).
+            cut = isinstance(exc, (HandshakeCut, ConnectionResetError, BrokenPipeError))
+            if cut and time.monotonic() < until:
+                logger.debug("%s: dialling %s again: %s", self._me.name, peer.name, exc)
+                return None, HandshakeStatus.BUSY
+            if isinstance(exc, AuthenticationError):
+                raise
+            self._judge_silence(peer, started, exc)
+            raise ConnectionError(
+                f"worker {peer.name}: connecting failed during authentication ({exc})"
+            ) from exc
+        return sock, status
 
     def _lost_text(self, peer: WorkerInfo, why: str) -> str:
         """Judge ``peer`` lost because of ``why``; the text of the error that says so."""
@@ -318,7 +347,8 @@ class Peers:
         unauthenticated connection (of that source, or of all) is cut, and
         so is any whose handshake takes longer than 10 s. A member's
         handshake takes milliseconds, so slow or silent strangers cannot
-        keep it out.
+        keep it out; a member's cut by a flood of connections from its own
+        source is told busy, and dials again.
         """
         while not self._closed:
             try:
@@ -354,11 +384,13 @@ class Peers:
                 self._cut(sock, f"no proof within {_HANDSHAKE_DEADLINE:g} s")
 
     def _cut(self, sock: socket.socket, why: str) -> None:
-        """End an unauthenticated handshake (hold ``lock``); its thread sees the socket shut."""
+        """End an unauthenticated handshake (hold ``lock``): its thread's read ends, and it tells
+        the client busy (which may be a member, that then dials again)."""
         _, source = self._handshaking.pop(sock)
+        self._cut_handshakes.add(sock)
         logger.info("%s: cut an unauthenticated connection from %s: %s", self._me.name, source, why)
         with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)  # not closed here: its thread still uses the descriptor
+            sock.shutdown(socket.SHUT_RD)  # not closed here: its thread still uses the descriptor
 
     def _serve(self, sock: socket.socket) -> None:
         conn: list[Connection] = []
@@ -367,7 +399,7 @@ class Peers:
         def decide(peer: PeerIdentity) -> HandshakeStatus:
             with self._lock:  # authenticated: no longer one of the handshakes that may be cut
                 if self._handshaking.pop(sock, None) is None:
-                    raise AuthenticationError("the handshake was cut (too slow, or too many at once)")
+                    return HandshakeStatus.BUSY  # cut meanwhile (too slow, or too many at once)
             lane = lane_of(peer.rank)
             rank, port = (peer.rank, None) if lane is None else lane
             record = self._record(peer.name)
@@ -414,9 +446,14 @@ class Peers:
             tune(sock)
             server_handshake(sock, self._secret, PeerIdentity(self._me.name, self._me.id), decide)
         except (OSError, EOFError, struct.error, ValueError) as exc:
+            with self._lock:
+                cut = sock in self._cut_handshakes
+            if cut:
+                with contextlib.suppress(OSError):
+                    sock.sendall(BUSY)
             # A client that hangs up before its proof (a probe, a scanner) is no threat worth a warning.
-            level = logging.DEBUG if isinstance(exc, EOFError) and not conn else logging.WARNING
-            logger.log(level, "%s: rejected a connection: %s", self._me.name, exc)
+            quiet = (cut or isinstance(exc, EOFError)) and not conn
+            self._log_rejection(logging.DEBUG if quiet else logging.WARNING, str(exc))
             if conn:
                 conn[0].send_lock.release()
                 self.drop(conn[0], f"authentication failed ({exc})")
@@ -426,6 +463,7 @@ class Peers:
         finally:
             with self._lock:
                 self._handshaking.pop(sock, None)
+                self._cut_handshakes.discard(sock)
         if lane_of_conn:
             self._attach_lane(lane_of_conn[0], sock)
             return
@@ -435,6 +473,22 @@ class Peers:
         sock.settimeout(None)
         conn[0].send_lock.release()
         self._readers.read_loop(conn[0], conn[0].reader)
+
+    def _log_rejection(self, level: int, why: str) -> None:
+        """Log a rejected connection; warnings at most one per 10 s, counting those left out (a
+        flood of garbage must not flood the log)."""
+        if level == logging.WARNING:
+            with self._lock:
+                now = time.monotonic()
+                if now - self._last_rejection_warning < _REJECTION_WARNING_INTERVAL:
+                    self._rejections_unsaid += 1
+                    level = logging.DEBUG
+                else:
+                    self._last_rejection_warning = now
+                    unsaid, self._rejections_unsaid = self._rejections_unsaid, 0
+                    if unsaid:
+                        why += f" (and {unsaid} more rejected since the last warning)"
+        logger.log(level, "%s: rejected a connection: %s", self._me.name, why)
 
     def _attach_lane(self, conn: Connection, sock: socket.socket) -> None:
         """Attach the lane accepted on ``sock`` to ``conn`` once its dialler confirms it."""
