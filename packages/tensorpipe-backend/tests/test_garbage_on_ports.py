@@ -8,11 +8,14 @@ from typing import Any
 import pytest
 from tpb_workers import (
     CONTEXT,
+    call_a_busy_peer,
     call_once_ready,
     free_port,
     garbage_then_call,
+    serve_busy_until_asked,
     serve_meeting_a_flood_in_the_first_handshake,
     serve_until,
+    serve_until_liveness,
     spawned,
 )
 
@@ -42,10 +45,32 @@ def test_a_members_handshake_cut_for_a_flood_of_strangers_connects_again(tcp: bo
     results, ready, done = CONTEXT.Queue(), CONTEXT.Event(), CONTEXT.Event()
     targets: list[tuple[Any, tuple[Any, ...]]] = [
         (call_once_ready, (init_method, ready, done, results, tcp)),
-        (serve_meeting_a_flood_in_the_first_handshake, (init_method, ready, done, tcp)),
+        (serve_meeting_a_flood_in_the_first_handshake, (init_method, ready, done, results, tcp)),
         (serve_until, ("w0", 0, 3, init_method, done)),
     ]
     with spawned(targets) as workers:
-        outcome = results.get(timeout=90)
-    assert outcome == "no error"
+        reports = dict(results.get(timeout=90) for _ in range(2))
+    assert reports["w2"] == "no error"
+    cut_after = reports["w1"]
+    assert len(cut_after) == 1 and cut_after[0] < 2.0, f"the flood cut the member's handshake: {cut_after}"
+    assert [w.exitcode for w in workers] == [0, 0, 0]
+
+
+def test_a_peer_that_cuts_every_handshake_fails_the_call_in_time_and_is_not_judged_lost() -> None:
+    """Under a flood that never ends (w1 cuts every handshake), a call fails within its dial's limit
+    (the liveness timeout, 2 s), naming the cause; w1 answered, so it is not judged lost: the next
+    call, once the flood is over, goes through."""
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    results, ready, calm, done = CONTEXT.Queue(), CONTEXT.Event(), CONTEXT.Event(), CONTEXT.Event()
+    targets: list[tuple[Any, tuple[Any, ...]]] = [
+        (call_a_busy_peer, (init_method, ready, calm, done, results)),
+        (serve_busy_until_asked, (init_method, ready, calm, done)),
+        (serve_until_liveness, ("w0", 0, 3, init_method, done, 2.0)),
+    ]
+    with spawned(targets) as workers:
+        first, seconds, second = results.get(timeout=90)
+    assert first.startswith("ConnectionError: worker w1 (rank 1) cut each handshake with w2")
+    assert "not judged lost" in first
+    assert 1.9 < seconds < 2.5
+    assert second == "no error"
     assert [w.exitcode for w in workers] == [0, 0, 0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -113,25 +114,67 @@ def test_a_server_that_holds_another_secret_learns_nothing_and_refuses(
     assert len(errors) == 1 and str(errors[0]) == "a client failed the secret check"
 
 
-@pytest.mark.parametrize("when", ["after the proof", "before the proof"])
+@pytest.mark.parametrize("when", ["after the proof", "before the proof", "too late"])
 def test_a_cut_handshake_tells_the_client_to_dial_again_not_that_secrets_differ(
     when: str, pair: tuple[socket.socket, socket.socket]
 ) -> None:
-    """A server that cut a handshake for a flood of others says busy, whether it judged the
-    client's proof (``decide`` found it cut) or not (its read ended): the client may dial again."""
+    """A server that cut a handshake (for a flood of others, or too slow) says busy, whether
+    ``decide`` found it cut after the proof, the cut ended its read first, or its read timed out:
+    the client may dial again."""
+    server, client = pair
+    me = PeerIdentity("server", 0)
+
+    def serve() -> None:
+        with contextlib.suppress(EOFError, TimeoutError):
+            if when == "after the proof":
+                server_handshake(server, SECRET, me, lambda p: HandshakeStatus.BUSY)
+            elif when == "before the proof":
+                server.shutdown(socket.SHUT_RD)  # as the accept loop's cut does
+                server_handshake(server, SECRET, me, lambda p: HandshakeStatus.ACCEPTED, lambda: True)
+            else:
+                server.settimeout(0.2)
+                server_handshake(server, SECRET, me, lambda p: HandshakeStatus.ACCEPTED)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    if when == "too late":
+        thread.join(10)  # the client's proof comes after the server's timeout
+    with pytest.raises(HandshakeCut, match="cut the handshake"):
+        client_handshake(client, SECRET, PeerIdentity("w1", 1), me)
+    thread.join(10)
+
+
+def test_a_wrong_secret_is_told_as_such_even_from_a_cut_handshake(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """The cut came after the proof was sent: the server still judges it, and a wrong one is a
+    wrong secret, not a reason to dial again."""
     server, client = pair
 
     def serve() -> None:
-        if when == "after the proof":
-            server_handshake(server, SECRET, PeerIdentity("server", 0), lambda p: HandshakeStatus.BUSY)
-        else:
-            server.sendall(auth._HELLO.pack(auth._MAGIC, auth._VERSION, os.urandom(auth._NONCE)))
-            server.sendall(auth.BUSY)
+        with contextlib.suppress(AuthenticationError):
+            server_handshake(
+                server,
+                b"another secret",
+                PeerIdentity("server", 0),
+                lambda p: HandshakeStatus.ACCEPTED,
+                lambda: True,
+            )
         server.close()
 
     thread = threading.Thread(target=serve)
     thread.start()
-    with pytest.raises(HandshakeCut, match="cut the handshake") as caught:
-        client_handshake(client, SECRET, PeerIdentity("w1", 1), PeerIdentity("server", 0))
+    with pytest.raises(AuthenticationError, match="holds a different secret"):
+        client_handshake(client, SECRET, PeerIdentity("w1", 1), None)
     thread.join(10)
-    assert not isinstance(caught.value, AuthenticationError)
+
+
+def test_a_busy_without_the_secrets_mark_is_not_believed(pair: tuple[socket.socket, socket.socket]) -> None:
+    """A stranger (a process on a lost worker's old port) cannot make a member dial it again and
+    again: its busy lacks the HMAC only holders of the secret can make."""
+    server, client = pair
+    nonce = os.urandom(auth._NONCE)
+    server.sendall(auth._HELLO.pack(auth._MAGIC, auth._VERSION, nonce))
+    server.sendall(auth._busy(b"another secret", nonce))
+    with pytest.raises(AuthenticationError, match="failed the secret check"):
+        client_handshake(client, SECRET, PeerIdentity("w1", 1), None)

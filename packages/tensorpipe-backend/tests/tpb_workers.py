@@ -817,8 +817,8 @@ class _FloodAfterHello:
     from the member's own source (this host's address, or its user) open as many silent
     connections as one source may hold in the handshake, so that the member's is the one cut."""
 
-    def __init__(self, sock: socket.socket, strangers: list[socket.socket]) -> None:
-        self._sock, self._strangers = sock, strangers
+    def __init__(self, sock: socket.socket, strangers: list[socket.socket], cut_after: list[float]) -> None:
+        self._sock, self._strangers, self._cut_after = sock, strangers, cut_after
 
     def sendall(self, data: bytes) -> None:
         from tensorpipe_backend.peers import _MAX_HANDSHAKES_PER_SOURCE
@@ -833,20 +833,25 @@ class _FloodAfterHello:
             where: Any = agent._local_listener.getsockname()  # type: ignore[union-attr]
         else:
             where = agent.address
+        start = time.monotonic()
         for _ in range(_MAX_HANDSHAKES_PER_SOURCE):
             stranger = socket.socket(self._sock.family, socket.SOCK_STREAM)
             stranger.connect(where)
             self._strangers.append(stranger)
-        deadline = time.monotonic() + 10
-        while self._sock in peers._handshaking and time.monotonic() < deadline:
+        while self._sock in peers._handshaking and time.monotonic() < start + 5:
             time.sleep(0.01)
+        if self._sock not in peers._handshaking:
+            self._cut_after.append(time.monotonic() - start)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
 
 
-def serve_meeting_a_flood_in_the_first_handshake(init_method: str, ready: Any, done: Any, tcp: bool) -> None:
-    """w1: serve; the first handshake after ``ready`` is set meets a flood (:class:`_FloodAfterHello`)."""
+def serve_meeting_a_flood_in_the_first_handshake(
+    init_method: str, ready: Any, done: Any, results: Any, tcp: bool
+) -> None:
+    """w1: serve; the first handshake after ``ready`` is set meets a flood (:class:`_FloodAfterHello`);
+    reports ``("w1", [seconds until the flood cut it])``."""
     import tensorpipe_backend.peers
 
     if tcp:
@@ -855,16 +860,51 @@ def serve_meeting_a_flood_in_the_first_handshake(init_method: str, ready: Any, d
     peers_module: Any = tensorpipe_backend.peers
     real = peers_module.server_handshake
     strangers: list[socket.socket] = []
+    cut_after: list[float] = []
 
     def meeting_a_flood(sock: socket.socket, *args: Any) -> Any:
         peers_module.server_handshake = real
-        return real(_FloodAfterHello(sock, strangers), *args)
+        return real(_FloodAfterHello(sock, strangers, cut_after), *args)
 
     peers_module.server_handshake = meeting_a_flood
     ready.set()
     done.wait(60)
     for stranger in strangers:
         stranger.close()
+    results.put(("w1", cut_after))
+    shutdown(graceful=False)
+
+
+def serve_busy_until_asked(init_method: str, ready: Any, calm: Any, done: Any) -> None:
+    """w1 (liveness timeout 2 s): cut every handshake, as under a flood that never ends, until
+    ``calm`` is set; serve until ``done``."""
+    import tensorpipe_backend.peers
+    from tensorpipe_backend.auth import HandshakeStatus
+
+    init_rpc("w1", backend(), 1, 3, options(init_method, liveness_timeout=2.0))
+    peers_module: Any = tensorpipe_backend.peers
+    real = peers_module.server_handshake
+
+    def busy(sock: socket.socket, secret: bytes, me: Any, decide: Any, *args: Any) -> Any:
+        if calm.is_set():
+            return real(sock, secret, me, decide, *args)
+        return real(sock, secret, me, lambda peer: HandshakeStatus.BUSY, *args)
+
+    peers_module.server_handshake = busy
+    ready.set()
+    done.wait(60)
+    shutdown(graceful=False)
+
+
+def call_a_busy_peer(init_method: str, ready: Any, calm: Any, done: Any, results: Any) -> None:
+    """w2 (liveness timeout 2 s): call w1 while it cuts every handshake, then once it no longer
+    does; report ``(first outcome, its seconds, second outcome)``."""
+    init_rpc("w2", backend(), 2, 3, options(init_method, liveness_timeout=2.0))
+    ready.wait(60)
+    outcome, seconds = _timed_error(lambda: rpc_sync("w1", whoami, timeout=10))
+    calm.set()
+    results.put((outcome, seconds, _error_text(lambda: rpc_sync("w1", whoami, timeout=10))))
+    done.set()
     shutdown(graceful=False)
 
 
@@ -874,7 +914,7 @@ def call_once_ready(init_method: str, ready: Any, done: Any, results: Any, tcp: 
         as_another_host()
     init_rpc("w2", backend(), 2, 3, options(init_method))
     ready.wait(60)
-    results.put(_error_text(lambda: rpc_sync("w1", whoami, timeout=20)))
+    results.put(("w2", _error_text(lambda: rpc_sync("w1", whoami, timeout=20))))
     done.set()
     shutdown(graceful=False)
 

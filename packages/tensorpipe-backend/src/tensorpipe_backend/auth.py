@@ -21,14 +21,18 @@ without a verdict when the proof is wrong. ``C`` checks the verdict's HMAC
 and that ``S`` is the worker it meant to reach.
 
 A server that cuts a handshake (too many at once from one source, or too
-slow) says ``busy`` instead of a verdict, at any point: status ``BUSY``,
-rank 0 and no name, unsigned (it may not have the proof yet, and it tells
-nothing). ``C`` then dials again (:class:`HandshakeCut`); a clean close
-after its proof still means the two hold different secrets.
+slow) says busy instead of a verdict, whether or not the proof arrived::
+
+    S -> C  busy:    status BUSY, rank 0, no name, HMAC(secret, "busy" nonce_s)
+
+``C`` checks its HMAC (a stranger cannot make a member dial again) and then
+dials again (:class:`HandshakeCut`); a clean close after its proof still
+means the two hold different secrets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import hmac
@@ -44,7 +48,6 @@ from .wire import recv_exact
 
 __all__ = [
     "HELLO_BYTES",
-    "BUSY",
     "AuthenticationError",
     "HandshakeCut",
     "HandshakeStatus",
@@ -86,10 +89,6 @@ class HandshakeStatus(enum.IntEnum):
     """Authenticated, but this worker judged the client lost: it does not talk to it again."""
     BUSY = 3
     """The handshake was cut before the client's proof was judged: dial again."""
-
-
-BUSY: Final = _VERDICT.pack(HandshakeStatus.BUSY, 0, 0)
-"""What a server sends, in place of a verdict, on a handshake it cut."""
 
 
 @dataclass(frozen=True)
@@ -147,34 +146,48 @@ def _read_name(sock: socket.socket, length: int) -> str:
         raise AuthenticationError("the peer sent a worker name that is not UTF-8") from None
 
 
+def _busy(secret: bytes, nonce_s: bytes) -> bytes:
+    mac = hmac.new(secret, b"busy" + nonce_s, hashlib.sha256).digest()
+    return _VERDICT.pack(HandshakeStatus.BUSY, 0, 0) + mac
+
+
 def server_handshake(
     sock: socket.socket,
     secret: bytes,
     me: PeerIdentity,
     decide: Callable[[PeerIdentity], HandshakeStatus],
+    was_cut: Callable[[], bool] = lambda: False,
 ) -> tuple[PeerIdentity, HandshakeStatus]:
     """Authenticate the client on ``sock`` (the caller sets a socket timeout).
 
     ``decide`` is called only for an authenticated client, and only then
-    does ``me`` leave this worker; when it says ``BUSY``, the client gets
-    :data:`BUSY` and nothing else. Raises :class:`AuthenticationError` (the
-    caller closes ``sock``) on a wrong proof, or ``EOFError``/``OSError`` on
-    a broken connection.
+    does ``me`` leave this worker; when it says ``BUSY``, the client is told
+    busy. So is a client whose proof did not arrive in the socket's timeout,
+    or before the caller cut the handshake (ending the read; ``was_cut``
+    says so). Raises :class:`AuthenticationError` (the caller closes
+    ``sock``) on a wrong proof, or ``EOFError``/``OSError`` on a broken
+    connection.
     """
     nonce_s = secrets.token_bytes(_NONCE)
     name_s = _encode_name(me.name)
     sock.sendall(_HELLO.pack(_MAGIC, _VERSION, nonce_s))
-    magic, nonce_c, sealed = _PROOF.unpack(recv_exact(sock, _PROOF.size))
-    if magic != _MAGIC:
-        raise AuthenticationError(f"bad magic {bytes(magic)!r}: the client does not speak this protocol")
-    mac = bytes(recv_exact(sock, _MAC))
+    try:
+        magic, nonce_c, sealed = _PROOF.unpack(recv_exact(sock, _PROOF.size))
+        if magic != _MAGIC:
+            raise AuthenticationError(f"bad magic {bytes(magic)!r}: the client does not speak this protocol")
+        mac = bytes(recv_exact(sock, _MAC))
+    except (EOFError, TimeoutError) as exc:
+        if isinstance(exc, TimeoutError) or was_cut():
+            with contextlib.suppress(OSError):
+                sock.sendall(_busy(secret, nonce_s))
+        raise
     expected = hmac.new(secret, b"client" + nonce_s + nonce_c + sealed, hashlib.sha256).digest()
     if not hmac.compare_digest(mac, expected):
         raise AuthenticationError("a client failed the secret check")
     peer = _unseal(sealed, secret, nonce_s, nonce_c)
     status = decide(peer)
     if status is HandshakeStatus.BUSY:
-        sock.sendall(BUSY)
+        sock.sendall(_busy(secret, nonce_s))
         return peer, status
     verdict = hmac.new(
         secret,
@@ -213,6 +226,8 @@ def client_handshake(
     try:
         status_byte, rank_s, name_len = _VERDICT.unpack(recv_exact(sock, _VERDICT.size))
         if status_byte == HandshakeStatus.BUSY:
+            if not hmac.compare_digest(bytes(recv_exact(sock, _MAC)), _busy(secret, nonce_s)[-_MAC:]):
+                raise AuthenticationError(f"{reached} failed the secret check")
             raise HandshakeCut(f"{reached} cut the handshake to make room for other connections")
         name_s = _read_name(sock, name_len)
         verdict = bytes(recv_exact(sock, _MAC))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import socket
 import struct
 import threading
@@ -32,7 +33,6 @@ from rpc_registry import WorkerInfo
 from rpc_registry.errors import WorkerNameError
 
 from .auth import (
-    BUSY,
     HELLO_BYTES,
     AuthenticationError,
     HandshakeCut,
@@ -59,6 +59,7 @@ _HANDSHAKE_DEADLINE: Final = 10.0
 _MAX_HANDSHAKES: Final = 64
 _MAX_HANDSHAKES_PER_SOURCE: Final = 16
 _REJECTION_WARNING_INTERVAL: Final = 10.0
+_MIN_REDIAL: Final = 0.05  # the least time left worth another dial of a peer that cut a handshake
 _LANE_DIAL_TIMEOUT: Final = 5.0  # the peer just accepted the connection: its lane is as quick
 # How long the probe of a closed connection may take. A dead process's address refuses at once;
 # a peer that does not greet within this is not judged by the probe (later dials may).
@@ -185,11 +186,19 @@ class Peers:
         info = WorkerInfo(name, record.rank)
         delay = 0.002
         while True:
-            sock, status = self._dial_once(info, record, started, started + limit)
+            sock, status = self._dial_once(info, record, started + limit)
             if sock is not None:
                 break
             # Cut to make room for a flood of other connections: dial again, while the limit lasts.
-            time.sleep(delay)
+            remaining = started + limit - time.monotonic()
+            if remaining < _MIN_REDIAL:
+                raise ConnectionError(
+                    f"worker {name} (rank {record.rank}) cut each handshake with {self._me.name} for "
+                    f"{time.monotonic() - started:.1f} s to make room for other connections (a flood of "
+                    "connections from this worker's address or user, or from many); it answers, so it is "
+                    "not judged lost"
+                )
+            time.sleep(min(delay * random.uniform(0.5, 1.5), remaining - _MIN_REDIAL))
             delay = min(delay * 2, 0.1)
         if status is HandshakeStatus.DUPLICATE:
             close_socket(sock)
@@ -223,11 +232,12 @@ class Peers:
         return conn
 
     def _dial_once(
-        self, peer: WorkerInfo, record: WorkerRecord, started: float, until: float
+        self, peer: WorkerInfo, record: WorkerRecord, until: float
     ) -> tuple[socket.socket | None, HandshakeStatus]:
         """Dial ``peer`` and pass the handshake by ``until`` (monotonic): the socket and the
-        verdict, or no socket when the peer cut the handshake and time is left to dial again."""
-        limit = max(until - time.monotonic(), 0.01)
+        verdict, or no socket when the peer cut the handshake (it may be dialled again)."""
+        started = time.monotonic()
+        limit = max(until - started, 0.01)
         try:
             sock = dial_local(self._mine(), record, limit) or socket.create_connection(
                 (record.host, record.port), timeout=limit
@@ -246,9 +256,7 @@ class Peers:
             _, status = client_handshake(sock, self._secret, me, PeerIdentity(peer.name, peer.id))
         except (OSError, EOFError, struct.error) as exc:
             close_socket(sock)
-            # A cut handshake, or a reset one (the peer cut it and closed before our proof arrived).
-            cut = isinstance(exc, (HandshakeCut, ConnectionResetError, BrokenPipeError))
-            if cut and time.monotonic() < until:
+            if isinstance(exc, HandshakeCut):
                 logger.debug("%s: dialling %s again: %s", self._me.name, peer.name, exc)
                 return None, HandshakeStatus.BUSY
             if isinstance(exc, AuthenticationError):
@@ -395,8 +403,10 @@ class Peers:
     def _serve(self, sock: socket.socket) -> None:
         conn: list[Connection] = []
         lane_of_conn: list[Connection] = []
+        proved: list[PeerIdentity] = []  # the client proved the secret
 
         def decide(peer: PeerIdentity) -> HandshakeStatus:
+            proved.append(peer)
             with self._lock:  # authenticated: no longer one of the handshakes that may be cut
                 if self._handshaking.pop(sock, None) is None:
                     return HandshakeStatus.BUSY  # cut meanwhile (too slow, or too many at once)
@@ -441,24 +451,32 @@ class Peers:
                 conn.append(new)
                 return HandshakeStatus.ACCEPTED
 
+        def was_cut() -> bool:
+            with self._lock:
+                return sock in self._cut_handshakes
+
+        with self._lock:
+            _, source = self._handshaking.get(sock, (0.0, "?"))
         try:
             sock.settimeout(_HANDSHAKE_DEADLINE)
             tune(sock)
-            server_handshake(sock, self._secret, PeerIdentity(self._me.name, self._me.id), decide)
+            me = PeerIdentity(self._me.name, self._me.id)
+            server_handshake(sock, self._secret, me, decide, was_cut)
         except (OSError, EOFError, struct.error, ValueError) as exc:
-            with self._lock:
-                cut = sock in self._cut_handshakes
-            if cut:
-                with contextlib.suppress(OSError):
-                    sock.sendall(BUSY)
-            # A client that hangs up before its proof (a probe, a scanner) is no threat worth a warning.
-            quiet = (cut or isinstance(exc, EOFError)) and not conn
-            self._log_rejection(logging.DEBUG if quiet else logging.WARNING, str(exc))
+            with self._lock:  # closed below: the accept loop must not cut it any more
+                self._handshaking.pop(sock, None)
+                self._cut_handshakes.discard(sock)
             if conn:
                 conn[0].send_lock.release()
                 self.drop(conn[0], f"authentication failed ({exc})")
             else:
                 close_socket(sock)
+            # A client that hangs up or stalls before its proof (a probe, a scanner) is no threat worth
+            # a warning; a stranger's garbage is worth one now and then, a member's failure always.
+            if isinstance(exc, (EOFError, TimeoutError)) and not proved:
+                logger.debug("%s: rejected a connection from %s: %s", self._me.name, source, exc)
+            else:
+                self._warn_rejection(f"from {source}: {exc}", throttled=not proved)
             return
         finally:
             with self._lock:
@@ -474,10 +492,11 @@ class Peers:
         conn[0].send_lock.release()
         self._readers.read_loop(conn[0], conn[0].reader)
 
-    def _log_rejection(self, level: int, why: str) -> None:
-        """Log a rejected connection; warnings at most one per 10 s, counting those left out (a
-        flood of garbage must not flood the log)."""
-        if level == logging.WARNING:
+    def _warn_rejection(self, why: str, throttled: bool) -> None:
+        """Warn of a rejected connection; those of strangers at most once per 10 s, counting those
+        left out (a flood of garbage must not flood the log)."""
+        level = logging.WARNING
+        if throttled:
             with self._lock:
                 now = time.monotonic()
                 if now - self._last_rejection_warning < _REJECTION_WARNING_INTERVAL:
@@ -487,8 +506,8 @@ class Peers:
                     self._last_rejection_warning = now
                     unsaid, self._rejections_unsaid = self._rejections_unsaid, 0
                     if unsaid:
-                        why += f" (and {unsaid} more rejected since the last warning)"
-        logger.log(level, "%s: rejected a connection: %s", self._me.name, why)
+                        why += f" (and {unsaid} more from strangers since the last such warning)"
+        logger.log(level, "%s: rejected a connection %s", self._me.name, why)
 
     def _attach_lane(self, conn: Connection, sock: socket.socket) -> None:
         """Attach the lane accepted on ``sock`` to ``conn`` once its dialler confirms it."""
