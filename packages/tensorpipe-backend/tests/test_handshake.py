@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -114,13 +115,15 @@ def test_a_server_that_holds_another_secret_learns_nothing_and_refuses(
     assert len(errors) == 1 and str(errors[0]) == "a client failed the secret check"
 
 
-@pytest.mark.parametrize("when", ["after the proof", "before the proof", "too late"])
+@pytest.mark.parametrize(
+    ("when", "fresh"), [("after the proof", True), ("before the proof", False), ("too late", False)]
+)
 def test_a_cut_handshake_tells_the_client_to_dial_again_not_that_secrets_differ(
-    when: str, pair: tuple[socket.socket, socket.socket]
+    when: str, fresh: bool, pair: tuple[socket.socket, socket.socket]
 ) -> None:
     """A server that cut a handshake (for a flood of others, or too slow) says busy, whether
     ``decide`` found it cut after the proof, the cut ended its read first, or its read timed out:
-    the client may dial again."""
+    the client may dial again. Only the first answer is bound to the client's nonce."""
     server, client = pair
     me = PeerIdentity("server", 0)
 
@@ -139,22 +142,41 @@ def test_a_cut_handshake_tells_the_client_to_dial_again_not_that_secrets_differ(
     thread.start()
     if when == "too late":
         thread.join(10)  # the client's proof comes after the server's timeout
-    with pytest.raises(HandshakeCut, match="cut the handshake"):
+    with pytest.raises(HandshakeCut, match="cut the handshake") as caught:
         client_handshake(client, SECRET, PeerIdentity("w1", 1), me)
     thread.join(10)
+    assert caught.value.fresh is fresh
+
+
+class _CutOnceTheProofIsIn:
+    """A server's socket cut (``SHUT_RD``, as the accept loop does) once the client's whole proof
+    is waiting in it, unread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def sendall(self, data: bytes) -> None:
+        self._sock.sendall(data)  # the hello
+        proof = auth._PROOF.size + auth._MAC
+        while len(self._sock.recv(proof, socket.MSG_PEEK)) < proof:
+            time.sleep(0.01)
+        self._sock.shutdown(socket.SHUT_RD)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
 
 
 def test_a_wrong_secret_is_told_as_such_even_from_a_cut_handshake(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
-    """The cut came after the proof was sent: the server still judges it, and a wrong one is a
+    """The cut came after the proof arrived: the server still judges it, and a wrong one is a
     wrong secret, not a reason to dial again."""
     server, client = pair
 
     def serve() -> None:
         with contextlib.suppress(AuthenticationError):
             server_handshake(
-                server,
+                _CutOnceTheProofIsIn(server),  # type: ignore[arg-type]
                 b"another secret",
                 PeerIdentity("server", 0),
                 lambda p: HandshakeStatus.ACCEPTED,
@@ -169,12 +191,20 @@ def test_a_wrong_secret_is_told_as_such_even_from_a_cut_handshake(
     thread.join(10)
 
 
-def test_a_busy_without_the_secrets_mark_is_not_believed(pair: tuple[socket.socket, socket.socket]) -> None:
+@pytest.mark.parametrize("made", ["with another secret", "for another client"])
+def test_a_busy_answer_not_made_for_this_handshake_is_not_believed(
+    made: str, pair: tuple[socket.socket, socket.socket]
+) -> None:
     """A stranger (a process on a lost worker's old port) cannot make a member dial it again and
-    again: its busy lacks the HMAC only holders of the secret can make."""
+    again: a busy answer made without the secret, or recorded after another client's proof, fails
+    the secret check. (One recorded before any proof is taken, marked not fresh: a dialler takes a
+    few of those in a row at most.)"""
     server, client = pair
     nonce = os.urandom(auth._NONCE)
     server.sendall(auth._HELLO.pack(auth._MAGIC, auth._VERSION, nonce))
-    server.sendall(auth._busy(b"another secret", nonce))
+    if made == "with another secret":
+        server.sendall(auth._busy(b"another secret", nonce, None))
+    else:
+        server.sendall(auth._busy(SECRET, nonce, os.urandom(auth._NONCE)))
     with pytest.raises(AuthenticationError, match="failed the secret check"):
         client_handshake(client, SECRET, PeerIdentity("w1", 1), None)

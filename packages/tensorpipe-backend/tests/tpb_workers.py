@@ -875,9 +875,9 @@ def serve_meeting_a_flood_in_the_first_handshake(
     shutdown(graceful=False)
 
 
-def serve_busy_until_asked(init_method: str, ready: Any, calm: Any, done: Any) -> None:
-    """w1 (liveness timeout 2 s): cut every handshake, as under a flood that never ends, until
-    ``calm`` is set; serve until ``done``."""
+def serve_busy_until_asked(init_method: str, ready: Any, calm: Any, done: Any, before_proof: bool) -> None:
+    """w1 (liveness timeout 2 s): cut every handshake, as under a flood that never ends, after the
+    proof arrived (or, with ``before_proof``, before), until ``calm`` is set; serve until ``done``."""
     import tensorpipe_backend.peers
     from tensorpipe_backend.auth import HandshakeStatus
 
@@ -888,6 +888,9 @@ def serve_busy_until_asked(init_method: str, ready: Any, calm: Any, done: Any) -
     def busy(sock: socket.socket, secret: bytes, me: Any, decide: Any, *args: Any) -> Any:
         if calm.is_set():
             return real(sock, secret, me, decide, *args)
+        if before_proof:
+            sock.shutdown(socket.SHUT_RD)  # as the accept loop's cut does
+            return real(sock, secret, me, decide, lambda: True)
         return real(sock, secret, me, lambda peer: HandshakeStatus.BUSY, *args)
 
     peers_module.server_handshake = busy

@@ -21,13 +21,16 @@ without a verdict when the proof is wrong. ``C`` checks the verdict's HMAC
 and that ``S`` is the worker it meant to reach.
 
 A server that cuts a handshake (too many at once from one source, or too
-slow) says busy instead of a verdict, whether or not the proof arrived::
+slow) says busy instead of a verdict::
 
-    S -> C  busy:    status BUSY, rank 0, no name, HMAC(secret, "busy" nonce_s)
+    S -> C  busy:    status BUSY, rank 0, no name, HMAC(secret, "busy:proof" nonce_s nonce_c)
+                     or, cut before the proof arrived, HMAC(secret, "busy:hello" nonce_s)
 
-``C`` checks its HMAC (a stranger cannot make a member dial again) and then
-dials again (:class:`HandshakeCut`); a clean close after its proof still
-means the two hold different secrets.
+``C`` checks its HMAC and dials again (:class:`HandshakeCut`). The first
+form is bound to ``C``'s nonce; the second can be replayed by one who
+recorded it (for a nonce of the server's own choosing), so a dialler takes
+only a few of those in a row. A clean close after the proof still means the
+two hold different secrets.
 """
 
 from __future__ import annotations
@@ -76,7 +79,16 @@ class AuthenticationError(ConnectionError):
 
 class HandshakeCut(ConnectionError):
     """The server cut this handshake to make room for others (a flood of connections, or ours
-    was too slow): not a verdict on this client; dial again."""
+    was too slow): not a verdict on this client; dial again.
+
+    Attributes:
+        fresh: whether the answer is bound to this handshake (it came after our proof); one that
+            is not could be a recorded one, replayed.
+    """
+
+    def __init__(self, message: str, fresh: bool) -> None:
+        super().__init__(message)
+        self.fresh = fresh
 
 
 class HandshakeStatus(enum.IntEnum):
@@ -88,7 +100,7 @@ class HandshakeStatus(enum.IntEnum):
     REFUSED = 2
     """Authenticated, but this worker judged the client lost: it does not talk to it again."""
     BUSY = 3
-    """The handshake was cut before the client's proof was judged: dial again."""
+    """The handshake was cut (too many at once, or too slow) before a verdict: dial again."""
 
 
 @dataclass(frozen=True)
@@ -146,9 +158,10 @@ def _read_name(sock: socket.socket, length: int) -> str:
         raise AuthenticationError("the peer sent a worker name that is not UTF-8") from None
 
 
-def _busy(secret: bytes, nonce_s: bytes) -> bytes:
-    mac = hmac.new(secret, b"busy" + nonce_s, hashlib.sha256).digest()
-    return _VERDICT.pack(HandshakeStatus.BUSY, 0, 0) + mac
+def _busy(secret: bytes, nonce_s: bytes, nonce_c: bytes | None) -> bytes:
+    """The busy answer: bound to the client's nonce once its proof arrived."""
+    said = b"busy:hello" + nonce_s if nonce_c is None else b"busy:proof" + nonce_s + nonce_c
+    return _VERDICT.pack(HandshakeStatus.BUSY, 0, 0) + hmac.new(secret, said, hashlib.sha256).digest()
 
 
 def server_handshake(
@@ -179,7 +192,7 @@ def server_handshake(
     except (EOFError, TimeoutError) as exc:
         if isinstance(exc, TimeoutError) or was_cut():
             with contextlib.suppress(OSError):
-                sock.sendall(_busy(secret, nonce_s))
+                sock.sendall(_busy(secret, nonce_s, None))
         raise
     expected = hmac.new(secret, b"client" + nonce_s + nonce_c + sealed, hashlib.sha256).digest()
     if not hmac.compare_digest(mac, expected):
@@ -187,7 +200,7 @@ def server_handshake(
     peer = _unseal(sealed, secret, nonce_s, nonce_c)
     status = decide(peer)
     if status is HandshakeStatus.BUSY:
-        sock.sendall(_busy(secret, nonce_s))
+        sock.sendall(_busy(secret, nonce_s, nonce_c))
         return peer, status
     verdict = hmac.new(
         secret,
@@ -226,9 +239,13 @@ def client_handshake(
     try:
         status_byte, rank_s, name_len = _VERDICT.unpack(recv_exact(sock, _VERDICT.size))
         if status_byte == HandshakeStatus.BUSY:
-            if not hmac.compare_digest(bytes(recv_exact(sock, _MAC)), _busy(secret, nonce_s)[-_MAC:]):
-                raise AuthenticationError(f"{reached} failed the secret check")
-            raise HandshakeCut(f"{reached} cut the handshake to make room for other connections")
+            said = _VERDICT.pack(status_byte, rank_s, name_len) + bytes(recv_exact(sock, _MAC))
+            for fresh, nonce in ((True, nonce_c), (False, None)):
+                if hmac.compare_digest(said, _busy(secret, nonce_s, nonce)):
+                    raise HandshakeCut(
+                        f"{reached} cut the handshake to make room for other connections", fresh
+                    )
+            raise AuthenticationError(f"{reached} failed the secret check")
         name_s = _read_name(sock, name_len)
         verdict = bytes(recv_exact(sock, _MAC))
     except EOFError:

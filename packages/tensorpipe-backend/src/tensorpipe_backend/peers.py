@@ -59,7 +59,8 @@ _HANDSHAKE_DEADLINE: Final = 10.0
 _MAX_HANDSHAKES: Final = 64
 _MAX_HANDSHAKES_PER_SOURCE: Final = 16
 _REJECTION_WARNING_INTERVAL: Final = 10.0
-_MIN_REDIAL: Final = 0.05  # the least time left worth another dial of a peer that cut a handshake
+_MIN_REDIAL: Final = 0.2  # the least time left worth another dial of a peer that cut a handshake
+_MAX_UNBOUND_CUTS: Final = 3  # busy answers to one dial that came before our proof (replayable)
 _LANE_DIAL_TIMEOUT: Final = 5.0  # the peer just accepted the connection: its lane is as quick
 # How long the probe of a closed connection may take. A dead process's address refuses at once;
 # a peer that does not greet within this is not judged by the probe (later dials may).
@@ -184,20 +185,23 @@ class Peers:
         window = self._liveness_timeout or _HANDSHAKE_TIMEOUT
         limit = window if deadline is None else max(min(deadline - started, window), 0.01)
         info = WorkerInfo(name, record.rank)
-        delay = 0.002
+        delay, cuts, unbound = 0.002, 0, 0
         while True:
-            sock, status = self._dial_once(info, record, started + limit)
-            if sock is not None:
+            try:
+                sock, status = self._dial_once(info, record, started + limit)
                 break
-            # Cut to make room for a flood of other connections: dial again, while the limit lasts.
-            remaining = started + limit - time.monotonic()
-            if remaining < _MIN_REDIAL:
-                raise ConnectionError(
-                    f"worker {name} (rank {record.rank}) cut each handshake with {self._me.name} for "
-                    f"{time.monotonic() - started:.1f} s to make room for other connections (a flood of "
-                    "connections from this worker's address or user, or from many); it answers, so it is "
-                    "not judged lost"
-                )
+            except HandshakeCut as cut:
+                # Cut to make room for a flood of other connections: dial again, while the limit
+                # lasts. A busy answer not bound to our proof may be a recorded one: a few at most.
+                cuts, unbound = cuts + 1, unbound + (not cut.fresh)
+                remaining = started + limit - time.monotonic()
+                if remaining < _MIN_REDIAL or unbound > _MAX_UNBOUND_CUTS:
+                    raise ConnectionError(
+                        f"worker {name} (rank {record.rank}) cut {cuts} handshakes with {self._me.name} in a "
+                        f"row, over {time.monotonic() - started:.1f} s, to make room for other connections (a "
+                        "flood of connections from this worker's address or user, or from many); it answers, "
+                        "so it is not judged lost"
+                    ) from cut
             time.sleep(min(delay * random.uniform(0.5, 1.5), remaining - _MIN_REDIAL))
             delay = min(delay * 2, 0.1)
         if status is HandshakeStatus.DUPLICATE:
@@ -233,9 +237,9 @@ class Peers:
 
     def _dial_once(
         self, peer: WorkerInfo, record: WorkerRecord, until: float
-    ) -> tuple[socket.socket | None, HandshakeStatus]:
+    ) -> tuple[socket.socket, HandshakeStatus]:
         """Dial ``peer`` and pass the handshake by ``until`` (monotonic): the socket and the
-        verdict, or no socket when the peer cut the handshake (it may be dialled again)."""
+        verdict. Raises :class:`HandshakeCut` when the peer cut the handshake (dial again)."""
         started = time.monotonic()
         limit = max(until - started, 0.01)
         try:
@@ -256,10 +260,7 @@ class Peers:
             _, status = client_handshake(sock, self._secret, me, PeerIdentity(peer.name, peer.id))
         except (OSError, EOFError, struct.error) as exc:
             close_socket(sock)
-            if isinstance(exc, HandshakeCut):
-                logger.debug("%s: dialling %s again: %s", self._me.name, peer.name, exc)
-                return None, HandshakeStatus.BUSY
-            if isinstance(exc, AuthenticationError):
+            if isinstance(exc, (HandshakeCut, AuthenticationError)):
                 raise
             self._judge_silence(peer, started, exc)
             raise ConnectionError(
@@ -381,7 +382,7 @@ class Peers:
                 elif len(self._handshaking) >= _MAX_HANDSHAKES:
                     self._cut(next(iter(self._handshaking)), "too many handshakes")
                 self._handshaking[sock] = (time.monotonic(), source)
-            self._spawn(self._serve, "serve", sock)
+            self._spawn(self._serve, "serve", sock, source)
 
     def _cut_slow_handshakes(self) -> None:
         with self._lock:
@@ -400,7 +401,7 @@ class Peers:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RD)  # not closed here: its thread still uses the descriptor
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, source: str) -> None:
         conn: list[Connection] = []
         lane_of_conn: list[Connection] = []
         proved: list[PeerIdentity] = []  # the client proved the secret
@@ -455,8 +456,6 @@ class Peers:
             with self._lock:
                 return sock in self._cut_handshakes
 
-        with self._lock:
-            _, source = self._handshaking.get(sock, (0.0, "?"))
         try:
             sock.settimeout(_HANDSHAKE_DEADLINE)
             tune(sock)
