@@ -106,6 +106,10 @@ def _assert_reference(states: list[dict[str, torch.Tensor]], epochs: int) -> Non
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("distributed", [True, False], ids=["sharded", "full"])
 def test_training_resumed_from_a_checkpoint_ends_with_the_single_process_model(distributed: bool) -> None:
+    if not distributed and cases.DEVICE == "cuda":
+        # Lightning gathers the full state with DTensor.full_tensor(): an
+        # all-gather that kills torch 2.11's gloo on CUDA tensors (SIGSEGV).
+        pytest.skip("a full checkpoint of CUDA shards over gloo crashes torch's gloo; on GPUs use NCCL")
     steps = max(COUNTS)  # per epoch, the longest rank's
     with tempfile.TemporaryDirectory() as root:
         first = run_ranks(_fit, WORLD, root, distributed, FIRST, None, timeout=150)

@@ -174,9 +174,8 @@ class _Gathering(cases.Regression):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         prediction = self.net(x).mean()
-        mine = torch.stack(
-            [torch.tensor(float(self.global_rank)), torch.tensor(float(batch_idx)), prediction]
-        )
+        rank_and_index = torch.tensor([float(self.global_rank), float(batch_idx)], device=prediction.device)
+        mine = torch.cat([rank_and_index, prediction.unsqueeze(0)])
         gathered = self.all_gather(mine, sync_grads=self.sync_grads)
         assert isinstance(gathered, torch.Tensor)
         self.gathered.append([[int(rank), int(index)] for rank, index, _ in gathered.tolist()])
