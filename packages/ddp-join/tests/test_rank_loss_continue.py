@@ -372,6 +372,37 @@ def _adam_reference(contributed: list[int]) -> tuple[torch.Tensor, dict[int, dic
     return flat_params(model), optimizer.state_dict()["state"]
 
 
+def _miss_a_round(optimizer: ZeroRedundancyOptimizer, rank: int, lost_pid: int, current: list[int]) -> None:
+    """In iteration LOST_AT, rank 2 dies right after ZeRO's broadcast round, and
+    rank 1 fails in that round as if rank 2's part never reached it, while rank 0
+    finished it and goes on into the next iteration: the survivors are a round apart."""
+    finish_round = optimizer._broadcast_shards_once
+
+    def round_then_lose() -> None:
+        finish_round()
+        if current[0] != LOST_AT:
+            return
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 1:
+            deadline = time.monotonic() + 30
+            while not _ended(lost_pid):
+                assert time.monotonic() < deadline, "rank 2 did not end"
+                time.sleep(0.01)
+            raise ConnectionError("rank 2's shard of this broadcast round did not arrive")
+
+    optimizer._broadcast_shards_once = round_then_lose  # type: ignore[method-assign]
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` ended (a zombie not reaped yet counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def _zero_loses_rank(rank: int, world_size: int, lost: int, where: str) -> None:
     """DDP + ZeRO Adam with shard replicas: rank ``lost`` is killed in iteration
     LOST_AT; the survivors end with the reference's parameters and optimizer state."""
@@ -385,6 +416,8 @@ def _zero_loses_rank(rank: int, world_size: int, lost: int, where: str) -> None:
         return grad
 
     next(model.module.parameters()).register_hook(lose_between_buckets)  # its gradient comes last
+    if where == "after-a-round-one-missed":
+        _miss_a_round(optimizer, rank, _pids(rank, world_size)[lost], current)
     with Join([model, optimizer], on_rank_lost="continue", liveness_timeout=LIVENESS) as join:
         for step in range(STEPS):
             current[0] = step
@@ -398,7 +431,7 @@ def _zero_loses_rank(rank: int, world_size: int, lost: int, where: str) -> None:
             optimizer.step()
     assert list(join.lost_ranks) == [lost], join.lost_ranks
     contributed = [STEPS] * world_size
-    contributed[lost] = LOST_AT + 1 if where == "step" else LOST_AT
+    contributed[lost] = LOST_AT if where in ("forward", "between-buckets") else LOST_AT + 1
     expected_params, expected_state = _adam_reference(contributed)
     torch.testing.assert_close(flat_params(model.module), expected_params, rtol=1e-5, atol=1e-6)
     optimizer.consolidate_state_dict(to=0)
@@ -416,6 +449,14 @@ def test_zero_survivors_keep_the_lost_shard_and_finish_exactly(lost: int, where:
     with pytest.raises(RanksFailedError) as failed:
         run_ranks(_zero_loses_rank, 3, lost, where, timeout=90)
     assert list(failed.value.failures) == [lost], str(failed.value)
+
+
+def test_zero_survivors_a_broadcast_round_apart_finish_exactly() -> None:
+    # One survivor finished the interrupted round and is in the next iteration's reduction; the
+    # other takes the parameters from it, and both refresh the replicas after the next round.
+    with pytest.raises(RanksFailedError) as failed:
+        run_ranks(_zero_loses_rank, 3, 2, "after-a-round-one-missed", timeout=90)
+    assert list(failed.value.failures) == [2], str(failed.value)
 
 
 def _refusal(rank: int, world_size: int) -> str:

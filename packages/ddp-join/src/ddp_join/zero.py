@@ -284,7 +284,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _broadcast_shards(self) -> None:
         """Broadcast every shard from its owner; in continue mode, go on
-        without a lost owner (its replica's holder owns its shard from then)."""
+        without a lost owner (its replica's holder owns its shard from then).
+
+        The replicas are made again after the first round on the survivors'
+        group. A survivor handed this round's parameters by one that finished
+        it waits for its next round, as the one ahead does (it is already in
+        the next iteration): their collectives stay in step."""
+        handed_over = False
         while True:
             try:
                 self._broadcast_shards_once()
@@ -294,10 +300,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     raise
                 Join.recover(self, self._steps, 0, failure)
                 if self._handed_over:
-                    self._handed_over = False
+                    handed_over = True
                     break
+        self._handed_over = False
         self._steps += 1
-        if not self._replicas_valid:
+        if not self._replicas_valid and not handed_over:
             self._refresh_replicas()
 
     def _broadcast_shards_once(self) -> None:
