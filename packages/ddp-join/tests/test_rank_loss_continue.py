@@ -71,6 +71,8 @@ def _lose_rank_2(rank: int, world_size: int, how: str, where: str, hook: bool = 
 
     # The first parameter's gradient comes last in backward: later buckets are reduced by then.
     next(model.module.parameters()).register_hook(lose_between_buckets)
+    if rank == 1 and where == "step-reduction-one-missed":
+        _miss_a_reduction(model, pids[2], current)
     try:
         with Join([model], on_rank_lost="continue", liveness_timeout=LIVENESS) as join:
             for step in range(STEPS):
@@ -92,17 +94,40 @@ def _lose_rank_2(rank: int, world_size: int, how: str, where: str, hook: bool = 
     assert rank != 2, "the lost rank went on"
     assert list(join.lost_ranks) == [2], join.lost_ranks
     # Found in the iteration of its loss, or (lost after its reduction) the next one; counted from 1.
-    removed_in = LOST_AT + 2 if where == "step" else LOST_AT + 1
+    removed_in = LOST_AT + 2 if where.startswith("step") else LOST_AT + 1
     assert f"removed at iteration {removed_in}" in join.lost_ranks[2], join.lost_ranks
     assert dist.get_world_size(join.process_group) == 2
     # Its gradients count through the last iteration whose reduction it completed.
-    through = LOST_AT if where == "step" else LOST_AT - 1
+    through = LOST_AT if where.startswith("step") else LOST_AT - 1
     expected = reference([STEPS, STEPS, through + 1], lambda p: torch.optim.SGD(p, lr=0.1))
     torch.testing.assert_close(flat_params(model.module), expected, rtol=1e-5, atol=1e-6)
     return "survived"
 
 
-@pytest.mark.parametrize("where", ["forward", "forward-known", "between-buckets", "step"])
+def _miss_a_reduction(
+    model: DistributedDataParallel[torch.nn.Module], lost_pid: int, current: list[int]
+) -> None:
+    """In iteration LOST_AT, rank 2 dies right after its backward, and this rank
+    fails in the last bucket's reduction as if rank 2's part never reached it,
+    while rank 0 finished it and goes on into the next iteration."""
+    last = model._reducer._buckets[-1]
+    finish = last.result
+    missed: list[bool] = []
+
+    def result() -> torch.Tensor:
+        reduced = finish()
+        if current[0] == LOST_AT and not missed:
+            missed.append(True)
+            _wait_ended(lost_pid)
+            raise ConnectionError("rank 2's part of this reduction did not arrive")
+        return reduced
+
+    last.result = result  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    "where", ["forward", "forward-known", "between-buckets", "step", "step-reduction-one-missed"]
+)
 def test_survivors_of_a_killed_rank_finish_exactly(where: str) -> None:
     with pytest.raises(RanksFailedError) as failed:
         run_ranks(_lose_rank_2, 3, "kill", where, timeout=90)
@@ -385,13 +410,17 @@ def _miss_a_round(optimizer: ZeroRedundancyOptimizer, rank: int, lost_pid: int, 
         if rank == 2:
             os.kill(os.getpid(), signal.SIGKILL)
         if rank == 1:
-            deadline = time.monotonic() + 30
-            while not _ended(lost_pid):
-                assert time.monotonic() < deadline, "rank 2 did not end"
-                time.sleep(0.01)
+            _wait_ended(lost_pid)
             raise ConnectionError("rank 2's shard of this broadcast round did not arrive")
 
     optimizer._broadcast_shards_once = round_then_lose  # type: ignore[method-assign]
+
+
+def _wait_ended(pid: int) -> None:
+    deadline = time.monotonic() + 30
+    while not _ended(pid):
+        assert time.monotonic() < deadline, f"process {pid} did not end"
+        time.sleep(0.01)
 
 
 def _ended(pid: int) -> bool:
