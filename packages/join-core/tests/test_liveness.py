@@ -396,3 +396,31 @@ def test_a_port_is_spared_until_every_holder_released_it() -> None:
             assert port not in watched_ports()
             second()
             assert port in watched_ports()
+
+
+def _keys_after_each_join(rank: int, world_size: int, joins: int) -> tuple[int, list[int]]:
+    """The store's key count before any Join, and once each of ``joins`` Joins in
+    a row ended on every rank (waiting up to 5 s for it to come back down)."""
+    store = dist.group.WORLD.get_group_store()  # type: ignore[union-attr]
+    before = int(store.num_keys())
+    counts = []
+    for index in range(joins):
+        joinable = CountingJoinable(False)
+        with Join([joinable], liveness_timeout=timedelta(seconds=1)):
+            for _ in range(3 + rank * index):  # uneven, and long enough for the watch's own client
+                joinable.step(1.0)
+                time.sleep(0.1)
+        dist.barrier()
+        deadline = time.monotonic() + 5  # each watch's thread ends within a store round trip of its Join
+        while int(store.num_keys()) > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counts.append(int(store.num_keys()))
+        dist.barrier()
+    return before, counts
+
+
+def test_joins_in_a_row_leave_no_keys_behind_in_the_store() -> None:
+    # A job that runs a Join per epoch must not grow the store by each Join's
+    # heartbeats and connections: once every rank left one, its keys go.
+    before, counts = run_ranks(_keys_after_each_join, 3, 4, timeout=90)[0]
+    assert counts == [before] * 4, (before, counts)

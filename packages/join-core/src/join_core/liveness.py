@@ -493,6 +493,7 @@ class LivenessWatchdog:
         if self._stop.wait(self._interval):
             with suppress(Exception):  # nothing waits on this
                 self._say_left(self._group.get_group_store())
+                self._clear_if_last(self._group.get_group_store())
             return
         try:
             store = _own_client(self._group.get_group_store(), self._timeout)
@@ -514,6 +515,7 @@ class LivenessWatchdog:
             if not self._store_lost:
                 with suppress(Exception):  # nothing waits on this
                     self._say_left(store)
+                    self._clear_if_last(store)
             if self._collectives is not None:
                 self._collectives.close()
             # Release our client here, on this thread, while the process is whole: torch's store
@@ -530,6 +532,25 @@ class LivenessWatchdog:
         if self._leaving == _FAILED:  # the reason first: a rank seen failed has it
             store.set(self._failure_key(self._rank), self._failure_note[:_FAILURE_BYTES])
         store.set(self._key(self._rank), self._leaving)
+
+    def _clear_if_last(self, store: Store) -> None:
+        """The last rank to leave a Join that ended well deletes its keys: no
+        watch reads them any more, and a job that runs a Join per epoch must
+        not grow the store by each. After a loss or a failure they stay (the
+        survivors' agreement and the dumps read them)."""
+        if self._leaving != _LEFT or self._verdict_ready.is_set():
+            return
+        if int(store.add(self._left_key(), 1)) < self._world_size:
+            return
+        for rank in range(self._world_size):
+            store.delete_key(self._key(rank))
+            store.delete_key(self._endpoints_key(rank))
+            if self._collectives is not None:
+                store.delete_key(self._collectives.key(rank))
+        store.delete_key(self._left_key())
+
+    def _left_key(self) -> str:
+        return f"{self._prefix}left"
 
     def _endpoints_key(self, rank: int) -> str:
         return f"{self._prefix}endpoints/{rank}"
