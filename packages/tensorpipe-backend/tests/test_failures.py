@@ -121,7 +121,8 @@ def test_a_graceful_shutdown_beside_a_stopped_peer_ends_within_its_timeout() -> 
             outcome, seconds, _ = results.get(timeout=40)
         finally:
             workers[1].kill()
-    assert outcome.startswith("TimeoutError") and seconds < 2.0 + 1.0, (outcome, seconds)
+    # Within its timeout and a margin for a loaded host, well short of the 5 s goodbyes.
+    assert outcome.startswith("TimeoutError") and seconds < 2.0 + 2.5, (outcome, seconds)
 
 
 def test_init_rpc_names_the_missing_worker_within_its_rendezvous_timeout_plus_a_second() -> None:
