@@ -73,12 +73,42 @@ def _step_peaks(rank: int, world_size: int) -> dict[str, float]:
     return peaks
 
 
-@pytest.mark.skipif(
+needs_peak_reset = pytest.mark.skipif(
     not os.access("/proc/self/clear_refs", os.W_OK) or ctypes.util.find_library("c") is None,
     reason="needs Linux's peak-RSS reset and a C library with mallopt()",
 )
+
+
+@needs_peak_reset
 def test_step_peak_memory_is_at_most_torch_zero_in_both_modes() -> None:
     for peaks in run_ranks(_step_peaks, 2, timeout=120):
         for mode in ("", "-view"):
             for step in ("", "-again"):
                 assert peaks[f"ours{mode}{step}"] <= peaks[f"torch{mode}{step}"] + SLACK_MIB, peaks
+
+
+def _replica_refresh_peak(rank: int, world_size: int) -> tuple[float, float]:
+    """How far the resident memory rose while the replicas were made again
+    (as after a lost rank), and the shard's optimizer state, in MiB."""
+    exact_resident_memory()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3, shard_replicas=1)
+    model(torch.randn(2, WIDTH)).sum().backward()
+    optimizer.step()
+    state = sum(
+        value.numel() * value.element_size()
+        for values in optimizer.optim.state.values()
+        for value in values.values()
+        if isinstance(value, torch.Tensor)
+    )
+    return peak_growth_mib(optimizer._refresh_replicas), state / MIB
+
+
+@needs_peak_reset
+def test_making_the_replicas_again_holds_two_shards_of_state_not_every_one() -> None:
+    # After a loss every rank gets its predecessor's shard of optimizer state:
+    # a rank must not hold every rank's (the whole optimizer state, on a GPU
+    # under NCCL) to keep one, or recovering a large model runs out of memory.
+    for peak, shard in run_ranks(_replica_refresh_peak, 4, timeout=120):
+        assert peak < 6 * shard, (peak, shard)

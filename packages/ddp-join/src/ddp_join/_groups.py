@@ -113,6 +113,45 @@ def all_gather_bytes(
     return [_to_bytes(b[:n]) for b, n in zip(buffers, lengths)]
 
 
+def pass_bytes(
+    data: bytes | BaseException,
+    to: int,
+    source: int,
+    device: torch.device,
+    group: dist.ProcessGroup,
+    limits: Sequence[int],
+) -> bytes:
+    """Send ``data`` to group rank ``to`` and return what group rank ``source``
+    sent this one (each rank sends once and receives once, as around a ring):
+    no rank holds more than its own data and one other's. The bytes stay bytes.
+
+    Every rank raises ``ValueError`` alike when a rank announces more than its
+    limit (bytes, by group rank), before anything that size is allocated; a
+    rank that could not make its data passes the error instead: every rank
+    raises :class:`PeerFailedError` alike."""
+    if dist.get_backend(group) != "nccl":
+        device = torch.device("cpu")
+    sizes = [int(s) for s in _announce(data, device, group)]
+    assert not isinstance(data, BaseException)  # _announce raised
+    over = [(r, n, limit) for r, (n, limit) in enumerate(zip(sizes, limits)) if not 0 <= n <= limit]
+    if over:
+        r, n, limit = over[0]
+        raise ValueError(
+            f"rank {r} of the group announced {n} bytes, and at most {limit} are accepted from it "
+            "(what its share could take); nothing was sent"
+        )
+    received = torch.empty(sizes[source], dtype=torch.uint8, device=device)
+    ops = []
+    if data:
+        sent = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        ops.append(dist.P2POp(dist.isend, sent, global_rank(group, to), group))
+    if sizes[source]:
+        ops.append(dist.P2POp(dist.irecv, received, global_rank(group, source), group))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return _to_bytes(received)
+
+
 def _to_bytes(tensor: torch.Tensor) -> bytes:
     """The bytes of a one-dimensional uint8 tensor, read from host memory in one copy."""
     host = tensor.cpu().contiguous()  # alive while read

@@ -9,7 +9,7 @@ from typing import Any, Final, overload
 import torch
 import torch.distributed as dist
 
-from ddp_join._groups import PeerFailedError, all_gather_bytes, gather_bytes, global_rank, resolve_group
+from ddp_join._groups import PeerFailedError, gather_bytes, global_rank, pass_bytes, resolve_group
 from ddp_join.optimizer_state import decode_state, encode_state, state_limit
 from join_core import Join, JoinHook, RankLostError, Recovery, install_exit_grace, record_collectives
 
@@ -418,8 +418,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._handed_over = rounds[recovery.rank] == low
 
     def _refresh_replicas(self) -> None:
-        """Give every shard a replica again: each rank sends its shard's state;
-        each keeps the one of the rank before it."""
+        """Give every shard a replica again: each rank sends its shard's state to
+        the rank that replicates it and keeps the one of the rank before it: no
+        rank holds the state of more than its own shard and one other."""
         index = self._global_index()
         owned = _params_of(self.optim)
         mine: bytes | TypeError
@@ -429,16 +430,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             )
         except TypeError as exc:
             mine = exc  # announced to the others, who would wait for this rank's state
-        limit = max(state_limit(self._owned_by(rank)) for rank in range(self.world_size))
+        limits = [state_limit(self._owned_by(rank)) for rank in range(self.world_size)]
+        successor = (self.rank + self._replica_offset) % self.world_size  # it replicates this shard
         try:
-            shards = all_gather_bytes(mine, self.join_device, self.process_group, limit)
+            shard = pass_bytes(
+                mine, successor, self._predecessor(), self.join_device, self.process_group, limits
+            )
         except PeerFailedError as exc:
             raise TypeError(
                 f"ZeroRedundancyOptimizer: cannot replicate the optimizer state of {exc}"
             ) from None
         assert self._replica is not None
         by_index = {i: p for p, i in ((p, index[id(p)]) for p in _params_of(self._replica))}
-        for position, state in decode_state(shards[self._predecessor()]).items():
+        for position, state in decode_state(shard).items():
             param = by_index.get(position)
             if param is None:
                 raise RuntimeError(
