@@ -261,6 +261,9 @@ class LivenessWatchdog:
         self._world_size = dist.get_world_size(group)
         self._timeout = timeout
         self._interval = timeout.total_seconds() / BEATS_PER_TIMEOUT
+        # Keys under a prefix of its own are deleted once every rank left (see _clear_if_last);
+        # a prefix given (watch_collectives') may be the next watch's too.
+        self._clears_keys = prefix is None
         if prefix is None:
             name = group.group_name
             with _joins_lock:
@@ -538,7 +541,7 @@ class LivenessWatchdog:
         watch reads them any more, and a job that runs a Join per epoch must
         not grow the store by each. After a loss or a failure they stay (the
         survivors' agreement and the dumps read them)."""
-        if self._leaving != _LEFT or self._verdict_ready.is_set():
+        if not self._clears_keys or self._leaving != _LEFT or self._verdict_ready.is_set():
             return
         if int(store.add(self._left_key(), 1)) < self._world_size:
             return
