@@ -432,7 +432,7 @@ def _ended(pid: int) -> bool:
         return True
 
 
-def _zero_loses_rank(rank: int, world_size: int, lost: int, where: str) -> None:
+def _zero_loses_rank(rank: int, world_size: int, lost: int, where: str, first_epoch_steps: int = 0) -> None:
     """DDP + ZeRO Adam with shard replicas: rank ``lost`` is killed in iteration
     LOST_AT; the survivors end with the reference's parameters and optimizer state."""
     model = DistributedDataParallel(make_model(), bucket_cap_mb=TINY_BUCKETS_MB)
@@ -447,17 +447,26 @@ def _zero_loses_rank(rank: int, world_size: int, lost: int, where: str) -> None:
     next(model.module.parameters()).register_hook(lose_between_buckets)  # its gradient comes last
     if where == "after-a-round-one-missed":
         _miss_a_round(optimizer, rank, _pids(rank, world_size)[lost], current)
-    with Join([model, optimizer], on_rank_lost="continue", liveness_timeout=LIVENESS) as join:
-        for step in range(STEPS):
-            current[0] = step
-            optimizer.zero_grad()
-            loss = loss_fn(model, *batch(rank, step))
-            if rank == lost and step == LOST_AT and where == "forward":
-                os.kill(os.getpid(), signal.SIGKILL)
-            loss.backward()
-            if rank == lost and step == LOST_AT and where == "step":
-                os.kill(os.getpid(), signal.SIGKILL)  # the others wait for its shard
-            optimizer.step()
+    if where == "step-reduction-one-missed":
+        lost_pid = _pids(rank, world_size)[lost]
+        if rank == 1:
+            _miss_a_reduction(model, lost_pid, current)
+    # A Join per epoch: the loss falls in the last one.
+    epochs = (
+        [range(first_epoch_steps), range(first_epoch_steps, STEPS)] if first_epoch_steps else [range(STEPS)]
+    )
+    for epoch in epochs:
+        with Join([model, optimizer], on_rank_lost="continue", liveness_timeout=LIVENESS) as join:
+            for step in epoch:
+                current[0] = step
+                optimizer.zero_grad()
+                loss = loss_fn(model, *batch(rank, step))
+                if rank == lost and step == LOST_AT and where == "forward":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                loss.backward()
+                if rank == lost and step == LOST_AT and where.startswith("step"):
+                    os.kill(os.getpid(), signal.SIGKILL)  # the others wait for its shard
+                optimizer.step()
     assert list(join.lost_ranks) == [lost], join.lost_ranks
     contributed = [STEPS] * world_size
     contributed[lost] = LOST_AT if where in ("forward", "between-buckets") else LOST_AT + 1
@@ -480,11 +489,15 @@ def test_zero_survivors_keep_the_lost_shard_and_finish_exactly(lost: int, where:
     assert list(failed.value.failures) == [lost], str(failed.value)
 
 
-def test_zero_survivors_a_broadcast_round_apart_finish_exactly() -> None:
-    # One survivor finished the interrupted round and is in the next iteration's reduction; the
-    # other takes the parameters from it, and both refresh the replicas after the next round.
+@pytest.mark.parametrize("first_epoch_steps", [0, 2], ids=["first-join", "second-join"])
+@pytest.mark.parametrize("where", ["after-a-round-one-missed", "step-reduction-one-missed"])
+def test_zero_survivors_a_collective_apart_finish_exactly(where: str, first_epoch_steps: int) -> None:
+    # One survivor finished the interrupted collective (ZeRO's round: it is in the next
+    # iteration's reduction; the reduction: it is in ZeRO's round) and hands the other its
+    # result. In a second Join too, where the model has reduced once more than ZeRO stepped
+    # (the first Join's last heartbeat).
     with pytest.raises(RanksFailedError) as failed:
-        run_ranks(_zero_loses_rank, 3, 2, "after-a-round-one-missed", timeout=90)
+        run_ranks(_zero_loses_rank, 3, 2, where, first_epoch_steps, timeout=90)
     assert list(failed.value.failures) == [2], str(failed.value)
 
 

@@ -42,6 +42,7 @@ class DDPJoinHook(JoinHook):
         self.reducer.reduce_zeros()
 
     def enter_hook(self) -> None:
+        self.reducer.enter_join()
         self.reducer.keep_copies(Join.continues_on_loss(self.reducer.joinable))
 
     def exit_hook(self) -> None:

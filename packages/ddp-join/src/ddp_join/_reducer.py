@@ -106,6 +106,7 @@ class Reducer:
         # collective is redone on the survivors' group.
         self.keeps_copies = False
         self._reductions = 0  # reductions completed on this rank (training or shadowing)
+        self._reductions_at_entry = 0  # _reductions when the current Join was entered
         self._launched_training = True  # whether bucket 0 was last launched by a training rank
         self._handoff = False  # this reduction's result came from a survivor that had finished it
 
@@ -675,6 +676,10 @@ class Reducer:
 
     # Going on without a lost rank (Join(on_rank_lost="continue")).
 
+    def enter_join(self) -> None:
+        """A Join was entered: its iterations are counted from here."""
+        self._reductions_at_entry = self._reductions
+
     def keep_copies(self, keep: bool) -> None:
         """Keep what it takes to redo a reduction without a lost rank (inside
         a Join that continues on a loss), or stop keeping it."""
@@ -698,7 +703,9 @@ class Reducer:
         and moved onto their group (see :meth:`regroup`), a result handed over
         stands; otherwise this stage is done again on the new group: a
         reduction from the buffers as launched, a broadcast by its caller."""
-        Join.recover(self.joinable, self._reductions, phase, failure)
+        # Counted from the Join's entry, as ZeRO counts its rounds: the last Join's final
+        # heartbeat was a reduction without a step.
+        Join.recover(self.joinable, self._reductions - self._reductions_at_entry, phase, failure)
         if phase == REDUCING and not self._handoff:
             self._relaunch()
 

@@ -113,6 +113,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # Going on without a lost rank (Join(on_rank_lost="continue")).
         self._continues = False
         self._steps = 0  # broadcast rounds completed (training or shadowing)
+        self._steps_at_entry = 0  # _steps when the current Join was entered
         self._members: tuple[int, ...] = ()  # global rank of each rank of the group (while continuing)
         self._replicas_valid = True  # False from a loss until every shard has a replica again
         self._handed_over = False  # the interrupted round's parameters came from a survivor past it
@@ -298,7 +299,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             except Exception as failure:
                 if not self._continues:
                     raise
-                Join.recover(self, self._steps, 0, failure)
+                Join.recover(self, self._steps - self._steps_at_entry, 0, failure)
                 if self._handed_over:
                     handed_over = True
                     break
@@ -580,6 +581,7 @@ class _ZeroJoinHook(JoinHook):
 
     def enter_hook(self) -> None:
         zero = self.zero
+        zero._steps_at_entry = zero._steps  # a Join's rounds are counted from its entry
         zero._continues = Join.continues_on_loss(zero)
         if zero._continues and not zero.shard_replicas:
             raise ValueError(

@@ -342,7 +342,8 @@ class Join:
 
         With ``on_rank_lost="continue"`` and a rank lost, the survivors agree
         on who is lost and where each of them was (``iteration``: how many of
-        its iterations this joinable finished; ``phase``: which of its
+        its iterations this joinable finished since this Join was entered,
+        counted alike by every joinable of the Join; ``phase``: which of its
         ``regroup_phases`` stages failed), build their process group and move
         every joinable onto it (:meth:`JoinHook.regroup_hook`, this one's
         included). Returns what was agreed; the joinable then completes its
