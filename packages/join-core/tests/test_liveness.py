@@ -424,3 +424,25 @@ def test_joins_in_a_row_leave_no_keys_behind_in_the_store() -> None:
     # heartbeats and connections: once every rank left one, its keys go.
     before, counts = run_ranks(_keys_after_each_join, 3, 4, timeout=90)[0]
     assert counts == [before] * 4, (before, counts)
+
+
+def _without_a_store_client_of_its_own(rank: int, world_size: int) -> str:
+    """Rank 1 cannot make a store client of its own; the Join lasts several liveness timeouts."""
+    import join_core.liveness
+
+    if rank == 1:
+
+        def refused(store: Any, timeout: timedelta) -> Any:
+            raise RuntimeError("no client for you")
+
+        join_core.liveness._own_client = refused
+    joinable = CountingJoinable(False)
+    with Join([joinable], liveness_timeout=timedelta(seconds=1)):
+        for _ in range(12):
+            joinable.step(1.0)
+            time.sleep(0.25)
+    return "done"
+
+
+def test_a_rank_without_a_store_client_of_its_own_still_beats_and_is_not_lost() -> None:
+    assert run_ranks(_without_a_store_client_of_its_own, 2, timeout=60) == ["done", "done"]

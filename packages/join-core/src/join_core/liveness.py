@@ -501,10 +501,15 @@ class LivenessWatchdog:
         try:
             store = _own_client(self._group.get_group_store(), self._timeout)
         except Exception as error:  # noqa: BLE001 - liveness is a safety net, not a requirement
+            # It still beats through the group's client (a rank that stops beating is judged
+            # lost); only a lost store is then noticed within that client's timeout.
             logger.warning(
-                "%s: rank %d watches no liveness (no store client: %s)", self._label, self._rank, error
+                "%s: rank %d watches liveness through the group's store client (none of its own: %s)",
+                self._label,
+                self._rank,
+                error,
             )
-            return
+            store = self._group.get_group_store()
         try:
             self._watch(store, self._store_port)
         except Exception as error:  # noqa: BLE001 - see above; the main thread must not be disturbed
