@@ -400,18 +400,18 @@ def test_a_port_is_spared_until_every_holder_released_it() -> None:
 
 def _keys_after_each_join(rank: int, world_size: int, joins: int) -> tuple[int, list[int]]:
     """The store's key count before any Join, and once each of ``joins`` Joins in
-    a row ended on every rank (waiting up to 5 s for it to come back down)."""
+    a row ended on every rank (waiting up to 10 s for it to come back down)."""
     store = dist.group.WORLD.get_group_store()  # type: ignore[union-attr]
     before = int(store.num_keys())
     counts = []
     for index in range(joins):
         joinable = CountingJoinable(False)
-        with Join([joinable], liveness_timeout=timedelta(seconds=1)):
+        with Join([joinable], liveness_timeout=timedelta(seconds=2)):
             for _ in range(3 + rank * index):  # uneven, and long enough for the watch's own client
                 joinable.step(1.0)
                 time.sleep(0.1)
         dist.barrier()
-        deadline = time.monotonic() + 5  # each watch's thread ends within a store round trip of its Join
+        deadline = time.monotonic() + 10  # each watch's thread ends within a store round trip of its Join
         while int(store.num_keys()) > before and time.monotonic() < deadline:
             time.sleep(0.05)
         counts.append(int(store.num_keys()))
@@ -437,8 +437,8 @@ def _without_a_store_client_of_its_own(rank: int, world_size: int) -> str:
 
         join_core.liveness._own_client = refused
     joinable = CountingJoinable(False)
-    with Join([joinable], liveness_timeout=timedelta(seconds=1)):
-        for _ in range(12):
+    with Join([joinable], liveness_timeout=timedelta(seconds=2)):
+        for _ in range(16):  # 4 s: a rank that never beats is judged lost within them
             joinable.step(1.0)
             time.sleep(0.25)
     return "done"

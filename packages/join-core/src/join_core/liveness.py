@@ -498,18 +498,23 @@ class LivenessWatchdog:
                 self._say_left(self._group.get_group_store())
                 self._clear_if_last(self._group.get_group_store())
             return
-        try:
-            store = _own_client(self._group.get_group_store(), self._timeout)
-        except Exception as error:  # noqa: BLE001 - liveness is a safety net, not a requirement
-            # It still beats through the group's client (a rank that stops beating is judged
-            # lost); only a lost store is then noticed within that client's timeout.
-            logger.warning(
-                "%s: rank %d watches liveness through the group's store client (none of its own: %s)",
-                self._label,
-                self._rank,
-                error,
-            )
-            store = self._group.get_group_store()
+        shared = self._group.get_group_store()
+        for attempt in range(_OWN_CLIENT_ATTEMPTS):
+            try:
+                store = _own_client(shared, self._timeout)
+                break
+            except Exception as error:  # noqa: BLE001 - liveness is a safety net, not a requirement
+                if attempt + 1 < _OWN_CLIENT_ATTEMPTS and not self._stop.wait(self._interval / 4):
+                    continue
+                # It still beats through the group's client (a rank that stops beating is judged
+                # lost), queued behind the main thread's waits on that client, if any.
+                logger.warning(
+                    "%s: rank %d watches liveness through the group's store client (none of its own: %s)",
+                    self._label,
+                    self._rank,
+                    error,
+                )
+                store = shared
         try:
             self._watch(store, self._store_port)
         except Exception as error:  # noqa: BLE001 - see above; the main thread must not be disturbed
@@ -766,6 +771,11 @@ class LivenessWatchdog:
         _shut_down(peers, store_port)
         if isinstance(error, RankLostError) and self._collectives is not None:
             self._collectives.write_dump(store, "lost", str(error))
+
+
+#: Tries at a store client of the watch's own (a store host busy with many ranks connecting
+#: at once can refuse one) before the watch uses the group's.
+_OWN_CLIENT_ATTEMPTS: Final = 3
 
 
 def _own_client(store: Store, timeout: timedelta) -> Store:
