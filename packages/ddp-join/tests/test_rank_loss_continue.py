@@ -336,6 +336,8 @@ def _uneven_with_losses(
         pytest.param([8, 3, 8], {2: 5}, True, True, id="lost-while-another-rank-shadows-grad-views"),
         pytest.param([8, 8, 5], {1: 3}, False, False, id="divided-by-the-ranks-training"),
         pytest.param([8, 8, 8, 8], {3: 2, 2: 5}, True, False, id="two-losses"),
+        # After the first loss the survivors' group numbers global rank 3 as 2.
+        pytest.param([8, 8, 8, 8], {1: 2, 3: 5}, True, False, id="two-losses-a-middle-rank-first"),
     ],
 )
 def test_survivors_with_uneven_inputs_finish_exactly(
